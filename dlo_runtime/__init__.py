@@ -1,0 +1,1 @@
+"""Layerwise offload (DLO) runtime fed from HWR leases."""

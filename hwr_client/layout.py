@@ -1,0 +1,269 @@
+"""Final-layout payload files: dtypes, tensor-name rules, the aligned
+safetensors layout, and a strict safetensors header parser.
+
+Every payload file is a valid safetensors file (``safetensors.torch.load_file``
+reads it). To make every tensor start on an :data:`ALIGN`-byte boundary — so a
+block copied into a device buffer can be viewed at any dtype without an
+unaligned storage offset — the layout inserts ``U8`` padding tensors named
+``__hwr_pad.<n>`` (safetensors forbids holes in the data region) and pads the
+header JSON with spaces (which the format allows). Padding tensors are part of
+the file, never of the manifest's tensor list.
+
+The daemon computes the layout from a publication plan and sends the offsets
+back; the client fills its payload to match. Both call :func:`layout_file`,
+so the layout is one function, not two that must agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from typing import BinaryIO, Sequence
+
+import torch
+
+from hwr_client.errors import InvalidArgument
+
+#: Byte alignment of the data region start and of every tensor in it.
+ALIGN = 64
+#: Largest safetensors header we parse (a header claiming more is rejected
+#: before anything is allocated).
+MAX_HEADER_BYTES = 100 * 1000 * 1000
+#: Reserved name prefix for padding tensors.
+PAD_PREFIX = "__hwr_pad."
+
+#: safetensors dtype string -> (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "BOOL": (torch.bool, 1),
+    "U8": (torch.uint8, 1),
+    "I8": (torch.int8, 1),
+    "U16": (torch.uint16, 2),
+    "I16": (torch.int16, 2),
+    "U32": (torch.uint32, 4),
+    "I32": (torch.int32, 4),
+    "U64": (torch.uint64, 8),
+    "I64": (torch.int64, 8),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "F32": (torch.float32, 4),
+    "F64": (torch.float64, 8),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+}
+_BY_TORCH = {v[0]: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors dtype string of a torch dtype.
+
+    Raises:
+        InvalidArgument: a dtype safetensors cannot store.
+    """
+    try:
+        return _BY_TORCH[dtype]
+    except KeyError:
+        raise InvalidArgument(f"dtype {dtype}: not storable; expected one of {sorted(map(str, _BY_TORCH))}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch dtype of a safetensors dtype string.
+
+    Raises:
+        InvalidArgument: an unknown dtype string.
+    """
+    try:
+        return DTYPES[name][0]
+    except KeyError:
+        raise InvalidArgument(f"dtype {name!r}: unknown; expected one of {sorted(DTYPES)}") from None
+
+
+def check_tensor_name(name: object) -> str:
+    """Returns ``name`` if it is a safe tensor name.
+
+    Safe: a non-empty str of printable characters without NUL, "/" or "\\",
+    no ".." component, not the reserved "__hwr" prefix, at most 1024 bytes.
+
+    Raises:
+        InvalidArgument: naming the tensor and the rule it breaks.
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"tensor name {name!r}: expected a non-empty string")
+    if "\x00" in name or "/" in name or "\\" in name:
+        raise InvalidArgument(f"tensor name {name!r}: must not contain NUL, '/' or '\\'")
+    if ".." in name.split(".") or name == ".." or ".." in name:
+        raise InvalidArgument(f"tensor name {name!r}: must not contain '..'")
+    if name.startswith("__hwr") or name == "__metadata__":
+        raise InvalidArgument(f"tensor name {name!r}: the '__hwr' prefix and '__metadata__' are reserved")
+    if not name.isprintable() or len(name.encode("utf-8")) > 1024:
+        raise InvalidArgument(f"tensor name {name!r}: expected printable text of at most 1024 bytes")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A tensor as planned: name, safetensors dtype string, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][1]
+
+    def validate(self) -> "TensorSpec":
+        check_tensor_name(self.name)
+        torch_dtype(self.dtype)
+        for dim in self.shape:
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+                raise InvalidArgument(f"tensor {self.name!r}: shape {list(self.shape)} must hold integers >= 0")
+        return self
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":
+        return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class FileLayout:
+    """Where everything goes in one payload file.
+
+    ``tensor_offsets`` are relative to the data region, in plan order;
+    absolute file offset = ``data_start + offset``.
+    """
+
+    header: bytes  # the 8-byte length prefix plus the padded JSON header
+    tensors: tuple[TensorSpec, ...]
+    tensor_offsets: tuple[int, ...]
+    data_size: int
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def file_size(self) -> int:
+        return len(self.header) + self.data_size
+
+    def padding_ranges(self) -> list[tuple[int, int]]:
+        """Data-region ranges [begin, end) that hold alignment padding."""
+        out, pos = [], 0
+        for spec, off in zip(self.tensors, self.tensor_offsets):
+            if off > pos:
+                out.append((pos, off))
+            pos = off + spec.nbytes
+        if self.data_size > pos:
+            out.append((pos, self.data_size))
+        return out
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def layout_file(tensors: Sequence[TensorSpec]) -> FileLayout:
+    """Computes the aligned layout of one payload file.
+
+    Tensors keep the given order; each starts at a multiple of ALIGN in the
+    data region, and the data region starts at a multiple of ALIGN in the file.
+
+    Raises:
+        InvalidArgument: no tensors, or a tensor fails validation.
+    """
+    if not tensors:
+        raise InvalidArgument("payload file: expected at least one tensor, got none")
+    header: dict[str, object] = {"__metadata__": {"format": "pt", "producer": "hwr"}}
+    offsets, pos, pad = [], 0, 0
+    for spec in tensors:
+        spec.validate()
+        start = _align(pos)
+        if start > pos:
+            header[f"{PAD_PREFIX}{pad}"] = {"dtype": "U8", "shape": [start - pos], "data_offsets": [pos, start]}
+            pad += 1
+        header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [start, start + spec.nbytes]}
+        offsets.append(start)
+        pos = start + spec.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    padded = _align(8 + len(text)) - 8
+    text += b" " * (padded - len(text))
+    return FileLayout(struct.pack("<Q", len(text)) + text, tuple(tensors), tuple(offsets), pos)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a parsed safetensors header; offsets relative to data."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedHeader:
+    data_start: int
+    entries: tuple[HeaderEntry, ...]  # sorted by begin, padding included
+    metadata: dict
+
+    def tensors(self) -> list[HeaderEntry]:
+        """Entries without HWR padding tensors."""
+        return [e for e in self.entries if not e.name.startswith(PAD_PREFIX)]
+
+
+def parse_header(f: BinaryIO, file_size: int, *, what: str = "file") -> ParsedHeader:
+    """Parses and checks a safetensors header strictly.
+
+    Checks: the length prefix fits the file and is at most MAX_HEADER_BYTES;
+    the JSON is an object of known dtypes; shape × itemsize == byte length;
+    the data region is covered exactly, without holes or overlaps, and ends
+    at the end of the file.
+
+    Raises:
+        InvalidArgument: naming ``what`` and the first problem found.
+    """
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise InvalidArgument(f"{what}: truncated, {file_size} bytes is shorter than the 8-byte safetensors header length")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER_BYTES:
+        raise InvalidArgument(f"{what}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + n > file_size:
+        raise InvalidArgument(f"{what}: header length {n} runs past the end of the {file_size}-byte file")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"{what}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise InvalidArgument(f"{what}: header must be a JSON object")
+    metadata = header.pop("__metadata__", {}) or {}
+    entries = []
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise InvalidArgument(f"{what}: tensor {name!r} needs dtype, shape and data_offsets [begin, end]") from None
+        if dtype not in DTYPES:
+            raise InvalidArgument(f"{what}: tensor {name!r} has unknown dtype {dtype!r}")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise InvalidArgument(f"{what}: tensor {name!r} has a bad shape {list(shape)}")
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise InvalidArgument(f"{what}: tensor {name!r} has bad data_offsets {[begin, end]}")
+        expected = math.prod(shape) * DTYPES[dtype][1]
+        if end - begin != expected:
+            raise InvalidArgument(
+                f"{what}: tensor {name!r} spans {end - begin} bytes, expected {expected} for {dtype} {list(shape)}"
+            )
+        entries.append(HeaderEntry(name, dtype, shape, begin, end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    pos = 0
+    for e in entries:
+        if e.begin != pos:
+            raise InvalidArgument(f"{what}: tensor {e.name!r} starts at {e.begin}, expected {pos} (holes and overlaps are invalid)")
+        pos = e.end
+    if 8 + n + pos != file_size:
+        raise InvalidArgument(f"{what}: data region ends at {8 + n + pos}, but the file has {file_size} bytes")
+    return ParsedHeader(8 + n, tuple(entries), metadata if isinstance(metadata, dict) else {})

@@ -1,0 +1,78 @@
+"""Build a complete artifact (payload files + manifest) in a plain directory,
+without a daemon.
+
+This is the reference implementation of what the daemon's publication must
+produce (a conformance test compares the two byte for byte), and the seam
+that lets runtime tests and benchmarks work on real mapped files without a
+running daemon. It never writes under a store root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Mapping
+
+import torch
+import xxhash
+
+from hwr_client.manifest import BlockEntry, FileEntry, Manifest, TensorEntry, content_digest
+from hwr_client.plan import CheckedPlan, PlanSpec, check_plan, iter_payload, tensor_bytes
+
+CHUNK = 4 * 1024 * 1024
+
+
+def build_manifest(checked: CheckedPlan, file_digests, tensor_digests, block_xxh, *, created_unix=None) -> Manifest:
+    """Assembles the manifest from a checked plan and the computed digests.
+
+    Args:
+        file_digests: per file (sha256 hex, xxh3_128 hex).
+        tensor_digests: tensor name -> sha256 hex.
+        block_xxh: per block xxh3_128 hex.
+    """
+    plan = checked.plan
+    files = tuple(
+        FileEntry(i, f.name, file_digests[i][0], lay.file_size, file_digests[i][1], lay.data_start)
+        for i, (f, lay) in enumerate(zip(plan.files, checked.layouts))
+    )
+    tensors = tuple(
+        TensorEntry(spec.name, fi, spec.dtype, spec.shape, lay.data_start + off, spec.nbytes, tensor_digests[spec.name])
+        for fi, lay in enumerate(checked.layouts)
+        for spec, off in zip(lay.tensors, lay.tensor_offsets)
+    )
+    blocks = tuple(BlockEntry(b.index, b.prefix, b.file, b.begin, b.end, block_xxh[b.index], b.tensors) for b in checked.blocks)
+    digest = content_digest((t.name, t.dtype, t.shape, t.sha256) for t in tensors)
+    created = int(time.time()) if created_unix is None else created_unix
+    return Manifest(plan.identity.key, plan.identity, digest, created, files, tensors, blocks)
+
+
+def write_artifact(directory: str, plan: PlanSpec, tensors: Mapping[str, torch.Tensor]) -> tuple[Manifest, list[str]]:
+    """Writes ``plan``'s payload files into ``directory`` (named by their
+    SHA-256) plus ``manifest.json``; returns the manifest and blob paths."""
+    checked = check_plan(plan)
+    os.makedirs(directory, exist_ok=True)
+    file_digests, paths = [], []
+    tensor_digests = {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in tensors.items()}
+    for lay in checked.layouts:
+        tmp = os.path.join(directory, f".tmp-{os.getpid()}")
+        sha, xxh = hashlib.sha256(lay.header), xxhash.xxh3_128(lay.header)
+        with open(tmp, "wb") as f:
+            f.write(lay.header)
+            for _, data in iter_payload(lay, tensors, CHUNK):
+                f.write(data)
+                sha.update(data)
+                xxh.update(data)
+        path = os.path.join(directory, sha.hexdigest())
+        os.replace(tmp, path)
+        file_digests.append((sha.hexdigest(), xxh.hexdigest()))
+        paths.append(path)
+    block_xxh = []
+    for b in checked.blocks:
+        with open(paths[b.file], "rb") as f:
+            f.seek(b.begin)
+            block_xxh.append(xxhash.xxh3_128(f.read(b.end - b.begin)).hexdigest())
+    manifest = build_manifest(checked, file_digests, tensor_digests, block_xxh)
+    with open(os.path.join(directory, "manifest.json"), "w") as f:
+        f.write(manifest.to_json())
+    return manifest, paths

@@ -1,0 +1,181 @@
+"""The artifact manifest (DESIGN §4): one JSON document per published
+artifact, written by the daemon, read by everyone.
+
+Everything the daemon needs to rebuild its index comes from manifests, so
+:func:`Manifest.from_json` validates every field and cross-reference; a
+manifest that fails is treated as corrupt (the artifact is quarantined).
+
+Offsets in ``tensors`` and ``blocks`` are ABSOLUTE file offsets, so a reader
+that mapped the whole file indexes it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from typing import Any, Iterable
+
+from hwr_client.errors import InvalidArgument
+from hwr_client.identity import Identity, canonical_json
+from hwr_client.layout import DTYPES, check_tensor_name
+
+FORMAT = "hwr-manifest"
+FORMAT_VERSION = 1
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    index: int
+    name: str  # label from the plan
+    blob: str  # SHA-256 hex of the whole file; the blob's name in the store
+    size: int
+    xxh3_128: str
+    data_start: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    file: int
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute offset in the file
+    nbytes: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockEntry:
+    index: int
+    prefix: str
+    file: int
+    begin: int  # absolute offsets, [begin, end)
+    end: int
+    xxh3_128: str
+    tensors: tuple[str, ...]  # names in layout order
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def content_digest(tensors: Iterable[tuple[str, str, Iterable[int], str]]) -> str:
+    """Digest over (name, dtype, shape, tensor sha256), independent of how
+    tensors are split into files or ordered: ``sha256:<hex>``."""
+    rows = sorted([name, dtype, list(shape), sha] for name, dtype, shape, sha in tensors)
+    return "sha256:" + hashlib.sha256(canonical_json(rows)).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    key: str
+    identity: Identity
+    content_digest: str
+    created_unix: int
+    files: tuple[FileEntry, ...]
+    tensors: tuple[TensorEntry, ...]
+    blocks: tuple[BlockEntry, ...]
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def tensor(self, name: str) -> TensorEntry:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def to_json(self) -> str:
+        doc = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "key": self.key,
+            "identity": self.identity.document,
+            "content_digest": self.content_digest,
+            "created_unix": self.created_unix,
+            "files": [dataclasses.asdict(f) for f in self.files],
+            "tensors": [
+                {"name": t.name, "file": t.file, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
+                 "nbytes": t.nbytes, "sha256": t.sha256}
+                for t in self.tensors
+            ],
+            "blocks": [
+                {"index": b.index, "prefix": b.prefix, "file": b.file, "begin": b.begin, "end": b.end,
+                 "xxh3_128": b.xxh3_128, "tensors": list(b.tensors)}
+                for b in self.blocks
+            ],
+        }
+        return json.dumps(doc, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, what: str = "manifest") -> "Manifest":
+        """Parses and validates a manifest.
+
+        Raises:
+            InvalidArgument: naming ``what`` and the first problem.
+        """
+        try:
+            doc = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"{what}: not valid JSON ({exc})") from None
+        try:
+            return cls._from_doc(doc, what)
+        except InvalidArgument:
+            raise
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+            raise InvalidArgument(f"{what}: malformed ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def _from_doc(cls, doc: dict[str, Any], what: str) -> "Manifest":
+        if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
+            raise InvalidArgument(f"{what}: expected format {FORMAT!r} version {FORMAT_VERSION}")
+        identity = Identity.from_dict(doc["identity"])
+        if identity.key != doc["key"]:
+            raise InvalidArgument(f"{what}: key {doc['key']!r} does not match its identity (expected {identity.key})")
+        files = tuple(FileEntry(**f) for f in doc["files"])
+        if not files:
+            raise InvalidArgument(f"{what}: expected at least one file")
+        for i, f in enumerate(files):
+            if f.index != i or not _HEX64.match(f.blob) or not _HEX32.match(f.xxh3_128) or f.size <= 0:
+                raise InvalidArgument(f"{what}: file {i} entry is malformed: {f}")
+        tensors = tuple(
+            TensorEntry(t["name"], t["file"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"], t["sha256"])
+            for t in doc["tensors"]
+        )
+        if not tensors:
+            raise InvalidArgument(f"{what}: expected at least one tensor")
+        seen = set()
+        for t in tensors:
+            check_tensor_name(t.name)
+            if t.name in seen:
+                raise InvalidArgument(f"{what}: duplicate tensor {t.name!r}")
+            seen.add(t.name)
+            if t.dtype not in DTYPES or not (0 <= t.file < len(files)) or not _HEX64.match(t.sha256):
+                raise InvalidArgument(f"{what}: tensor {t.name!r} entry is malformed")
+            size = DTYPES[t.dtype][1]
+            for d in t.shape:
+                size *= d
+            f = files[t.file]
+            if size != t.nbytes or t.offset < f.data_start or t.offset + t.nbytes > f.size:
+                raise InvalidArgument(f"{what}: tensor {t.name!r} range {t.offset}+{t.nbytes} does not fit file {t.file}")
+        blocks = tuple(
+            BlockEntry(b["index"], b["prefix"], b["file"], b["begin"], b["end"], b["xxh3_128"], tuple(b["tensors"]))
+            for b in doc["blocks"]
+        )
+        for i, b in enumerate(blocks):
+            if b.index != i or not (0 <= b.file < len(files)) or not (0 <= b.begin <= b.end <= files[b.file].size):
+                raise InvalidArgument(f"{what}: block {i} entry is malformed")
+            if not _HEX32.match(b.xxh3_128) or not b.tensors or any(n not in seen for n in b.tensors):
+                raise InvalidArgument(f"{what}: block {i} entry is malformed")
+        digest = content_digest((t.name, t.dtype, t.shape, t.sha256) for t in tensors)
+        if digest != doc["content_digest"]:
+            raise InvalidArgument(f"{what}: content_digest {doc['content_digest']!r}, expected {digest} from its tensors")
+        created = doc["created_unix"]
+        if isinstance(created, bool) or not isinstance(created, int):
+            raise InvalidArgument(f"{what}: created_unix must be an integer")
+        return cls(doc["key"], identity, digest, created, files, tensors, blocks)

@@ -1,0 +1,148 @@
+"""Read-only shared mappings of an artifact's payload files, and zero-copy
+tensor views over them.
+
+Every file is mapped ``PROT_READ`` + ``MAP_SHARED``: all processes that map
+the same blob share one copy in the page cache, and a write through a view
+faults (SIGSEGV) instead of silently copying a page — the shared bytes can
+never be modified from a worker.
+
+Unmapping: views keep their mmap object alive (torch holds a reference to the
+buffer's owner), and we never call ``mmap.close()`` ourselves — it would unmap
+memory under live views (torch does not hold a buffer export, so close would
+succeed). :meth:`MappedArtifact.release` drops OUR references; the kernel
+mapping goes away when the last view does. A CUDA registrar must keep its own
+reference to the mapping until it has unregistered the range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import warnings
+from typing import Sequence
+
+import torch
+
+from hwr_client.errors import FailedPrecondition
+from hwr_client.layout import DTYPES
+from hwr_client.manifest import BlockEntry, Manifest
+
+PAGE_SIZE = mmap.PAGESIZE
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One mapped file: what a CUDA registrar registers.
+
+    ``address`` is page-aligned (mmap guarantees it); ``length`` is the file
+    size. Registration rounds ``length`` up to whole pages.
+    """
+
+    path: str
+    address: int
+    length: int
+
+    @property
+    def aligned_length(self) -> int:
+        return (self.length + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
+
+
+def _readonly_frombuffer(mm: mmap.mmap) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # torch warns that it cannot enforce read-only; the PROT_READ mapping
+        # enforces it (a write faults), which is exactly what we want.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+class MappedArtifact:
+    """All payload files of one artifact, mapped read-only.
+
+    Args:
+        manifest: the artifact's validated manifest.
+        paths: absolute blob path of each manifest file, in file order.
+
+    Raises:
+        FailedPrecondition: a file is missing or its size differs from the
+            manifest (the artifact is damaged; run ``hwr verify KEY``).
+    """
+
+    def __init__(self, manifest: Manifest, paths: Sequence[str]):
+        if len(paths) != len(manifest.files):
+            raise FailedPrecondition(
+                f"artifact {manifest.key[:12]}: {len(paths)} blob paths, expected {len(manifest.files)}"
+            )
+        self.manifest = manifest
+        self.paths = tuple(paths)
+        self._maps: list[mmap.mmap] = []
+        self._bytes: list[torch.Tensor] = []
+        for entry, path in zip(manifest.files, paths):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise FailedPrecondition(
+                    f"artifact {manifest.key[:12]}: cannot open blob {path}: {exc.strerror}; run `hwr verify {manifest.key}`"
+                ) from None
+            try:
+                size = os.fstat(fd).st_size
+                if size != entry.size:
+                    raise FailedPrecondition(
+                        f"artifact {manifest.key[:12]}: blob {path} has {size} bytes, expected {entry.size}; "
+                        f"run `hwr verify {manifest.key}`"
+                    )
+                mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                # The mapping holds its own reference to the file.
+                os.close(fd)
+            self._maps.append(mm)
+            self._bytes.append(_readonly_frombuffer(mm))
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    def _check_open(self) -> None:
+        if not self._bytes:
+            raise FailedPrecondition(f"artifact {self.manifest.key[:12]}: mapping already released")
+
+    def file_bytes(self, index: int) -> torch.Tensor:
+        """A read-only uint8 view of a whole payload file."""
+        self._check_open()
+        return self._bytes[index]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Zero-copy read-only views with the manifest's names, dtypes and
+        shapes, in manifest order. Built once; O(tensors)."""
+        self._check_open()
+        if self._tensors is None:
+            out = {}
+            for t in self.manifest.tensors:
+                raw = self._bytes[t.file][t.offset : t.offset + t.nbytes]
+                out[t.name] = raw.view(DTYPES[t.dtype][0]).view(t.shape)
+            self._tensors = out
+        return self._tensors
+
+    def block_bytes(self, index: int) -> torch.Tensor:
+        """A read-only uint8 view of block ``index``'s contiguous byte range."""
+        self._check_open()
+        b = self.manifest.blocks[index]
+        return self._bytes[b.file][b.begin : b.end]
+
+    def block_tensors(self, index: int) -> dict[str, torch.Tensor]:
+        """The views of block ``index``'s tensors."""
+        views = self.tensors()
+        return {n: views[n] for n in self.manifest.blocks[index].tensors}
+
+    @property
+    def blocks(self) -> tuple[BlockEntry, ...]:
+        return self.manifest.blocks
+
+    def regions(self) -> list[Region]:
+        """The mapped ranges, one per file, for CUDA host registration."""
+        self._check_open()
+        return [Region(p, b.data_ptr(), b.numel()) for p, b in zip(self.paths, self._bytes)]
+
+    def release(self) -> None:
+        """Drops this object's references to the mappings. Idempotent. Views
+        handed out earlier stay valid (they keep the mapping alive)."""
+        self._maps.clear()
+        self._bytes.clear()
+        self._tensors = None

@@ -1,0 +1,265 @@
+"""Publication plans: which tensors go into which payload file, in what order,
+and which tensors form each streamable block.
+
+The client builds a plan (:func:`build_plan`), the daemon receives it over
+the wire (:func:`from_proto`) and both check it with ONE function
+(:func:`check_plan`), which also computes the aligned file layouts and the
+block byte ranges that end up in the manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterator, Mapping, Sequence
+
+import torch
+
+from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.errors import InvalidArgument
+from hwr_client.identity import Identity
+from hwr_client.layout import FileLayout, TensorSpec, layout_file
+
+#: Default size at which block files are split: blocks are packed into files
+#: of about this size (a block is never split across files).
+FILE_TARGET_BYTES = 512 * 1024 * 1024
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# `blocks.3.`, `layers.3.`, `transformer_blocks.3.`, `single_transformer_blocks.3.`,
+# optionally under a module path (`model.layers.3.`).
+_BLOCK_NAME = re.compile(r"^((?:.*\.)?(?:blocks|layers|transformer_blocks|single_transformer_blocks|h)\.)(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class FileSpec:
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    declared_sha256: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    index: int
+    prefix: str
+    tensors: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSpec:
+    identity: Identity
+    files: tuple[FileSpec, ...]
+    blocks: tuple[BlockSpec, ...]
+    ordered: bool = True
+    declared_content_digest: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedBlock:
+    index: int
+    prefix: str
+    file: int
+    begin: int  # absolute file offsets
+    end: int
+    tensors: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedPlan:
+    plan: PlanSpec
+    layouts: tuple[FileLayout, ...]
+    blocks: tuple[CheckedBlock, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(lay.file_size for lay in self.layouts)
+
+
+def derive_blocks(names: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Groups tensor names into blocks by their ``<stack>.<N>.`` prefix.
+
+    Stacks keep the order in which they first appear; within a stack blocks
+    are ordered by N numerically. Names that match no stack are not in a block.
+    """
+    stacks: dict[str, dict[int, list[str]]] = {}
+    for name in names:
+        m = _BLOCK_NAME.match(name)
+        if m:
+            stacks.setdefault(m.group(1), {}).setdefault(int(m.group(2)), []).append(name)
+    return [(f"{stack}{n}.", group[n]) for stack, group in stacks.items() for n in sorted(group)]
+
+
+def build_plan(
+    identity: Identity | Mapping | str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    blocks: Sequence[Sequence[str]] | None = None,
+    ordered: bool = True,
+    file_target_bytes: int = FILE_TARGET_BYTES,
+) -> PlanSpec:
+    """Arranges tensors into payload files.
+
+    Non-block tensors go into the first file; blocks follow in execution
+    order, packed into files of about ``file_target_bytes``.
+
+    Args:
+        identity: Identity, its dict document or its JSON text.
+        tensors: name -> CPU tensor.
+        blocks: name groups in execution order; None derives them from names.
+        ordered: whether the payload will be sent strictly sequentially.
+        file_target_bytes: split block files at about this size.
+
+    Raises:
+        InvalidArgument: empty mapping, unknown names in blocks, bad names.
+    """
+    identity = Identity.coerce(identity)
+    if not tensors:
+        raise InvalidArgument("publication: expected at least one tensor, got none")
+    groups = (
+        [(_common_prefix(g), list(g)) for g in blocks] if blocks is not None else derive_blocks(list(tensors))
+    )
+    in_block = {n for _, g in groups for n in g}
+    unknown = in_block - set(tensors)
+    if unknown:
+        raise InvalidArgument(f"publication: block tensors {sorted(unknown)[:5]} are not in the tensor mapping")
+    spec = {name: TensorSpec.of(name, t) for name, t in tensors.items()}
+    files: list[FileSpec] = []
+    base = [spec[n] for n in tensors if n not in in_block]
+    if base:
+        files.append(FileSpec("base.safetensors", tuple(base)))
+    current: list[TensorSpec] = []
+    for _, group in groups:
+        size = sum(spec[n].nbytes for n in group)
+        if current and sum(s.nbytes for s in current) + size > file_target_bytes:
+            files.append(FileSpec(f"blocks-{len(files):03d}.safetensors", tuple(current)))
+            current = []
+        current.extend(spec[n] for n in group)
+    if current:
+        files.append(FileSpec(f"blocks-{len(files):03d}.safetensors", tuple(current)))
+    block_specs = tuple(BlockSpec(i, prefix, tuple(g)) for i, (prefix, g) in enumerate(groups))
+    return PlanSpec(identity, tuple(files), block_specs, ordered)
+
+
+def _common_prefix(names: Sequence[str]) -> str:
+    if not names:
+        raise InvalidArgument("publication: a block must name at least one tensor")
+    first, last = min(names), max(names)
+    i = 0
+    while i < min(len(first), len(last)) and first[i] == last[i]:
+        i += 1
+    prefix = first[:i]
+    return prefix[: prefix.rfind(".") + 1] if "." in prefix else prefix
+
+
+def check_plan(plan: PlanSpec) -> CheckedPlan:
+    """Validates a plan and computes its layouts and block ranges.
+
+    Raises:
+        InvalidArgument: naming the file, tensor or block at fault.
+    """
+    if not plan.files:
+        raise InvalidArgument("publication plan: expected at least one file, got none")
+    where: dict[str, tuple[int, int]] = {}
+    layouts = []
+    for fi, f in enumerate(plan.files):
+        if not f.tensors:
+            raise InvalidArgument(f"publication plan: file {fi} ({f.name!r}) has zero tensors")
+        if f.declared_sha256 and not _HEX64.match(f.declared_sha256):
+            raise InvalidArgument(f"publication plan: file {fi} declared_sha256 must be 64 lowercase hex")
+        for ti, t in enumerate(f.tensors):
+            if t.name in where:
+                raise InvalidArgument(f"publication plan: duplicate tensor name {t.name!r}")
+            where[t.name] = (fi, ti)
+        layouts.append(layout_file(f.tensors))
+    if plan.declared_content_digest and not re.match(r"^sha256:[0-9a-f]{64}$", plan.declared_content_digest):
+        raise InvalidArgument("publication plan: declared_content_digest must be 'sha256:<64 hex>'")
+    checked, owner = [], {}
+    for bi, b in enumerate(plan.blocks):
+        if b.index != bi:
+            raise InvalidArgument(f"publication plan: block {bi} has index {b.index}, expected {bi}")
+        if not b.tensors:
+            raise InvalidArgument(f"publication plan: block {bi} ({b.prefix!r}) names no tensors")
+        for n in b.tensors:
+            if n not in where:
+                raise InvalidArgument(f"publication plan: block {bi} names unknown tensor {n!r}")
+            if n in owner:
+                raise InvalidArgument(f"publication plan: tensor {n!r} is in blocks {owner[n]} and {bi}")
+            owner[n] = bi
+        fi, t0 = where[b.tensors[0]]
+        for k, n in enumerate(b.tensors):
+            if where[n] != (fi, t0 + k):
+                raise InvalidArgument(
+                    f"publication plan: block {bi} ({b.prefix!r}) tensors must be adjacent and in order in one file; "
+                    f"{n!r} is not"
+                )
+        lay = layouts[fi]
+        last = lay.tensors[t0 + len(b.tensors) - 1]
+        begin = lay.data_start + lay.tensor_offsets[t0]
+        end = lay.data_start + lay.tensor_offsets[t0 + len(b.tensors) - 1] + last.nbytes
+        checked.append(CheckedBlock(bi, b.prefix, fi, begin, end, tuple(b.tensors)))
+    return CheckedPlan(plan, tuple(layouts), tuple(checked))
+
+
+def to_proto(plan: PlanSpec) -> pb.PublishPlan:
+    return pb.PublishPlan(
+        identity_json=plan.identity.to_json(),
+        files=[
+            pb.FilePlan(
+                name=f.name,
+                declared_sha256=f.declared_sha256,
+                tensors=[pb.TensorPlan(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in f.tensors],
+            )
+            for f in plan.files
+        ],
+        blocks=[pb.BlockPlan(index=b.index, prefix=b.prefix, tensors=list(b.tensors)) for b in plan.blocks],
+        ordered=plan.ordered,
+        declared_content_digest=plan.declared_content_digest,
+    )
+
+
+def from_proto(msg: pb.PublishPlan) -> PlanSpec:
+    """Converts a wire plan; identity and names are validated here, the rest
+    by :func:`check_plan`.
+
+    Raises:
+        InvalidArgument: bad identity JSON or field.
+    """
+    identity = Identity.from_json(msg.identity_json)
+    files = tuple(
+        FileSpec(f.name, tuple(TensorSpec(t.name, t.dtype, tuple(int(d) for d in t.shape)) for t in f.tensors),
+                 f.declared_sha256)
+        for f in msg.files
+    )
+    blocks = tuple(BlockSpec(b.index, b.prefix, tuple(b.tensors)) for b in msg.blocks)
+    return PlanSpec(identity, files, blocks, msg.ordered, msg.declared_content_digest)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor (contiguous copy only when needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise InvalidArgument(f"tensor on {t.device}: publication takes CPU tensors")
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def iter_payload(
+    layout: FileLayout, tensors: Mapping[str, torch.Tensor], chunk_bytes: int
+) -> Iterator[tuple[int, memoryview]]:
+    """Yields (data-region offset, bytes) chunks of one file's data region in
+    order, padding included, each at most ``chunk_bytes``.
+
+    Raises:
+        InvalidArgument: a tensor whose dtype/shape differ from the layout.
+    """
+    zeros = memoryview(bytes(64))
+    pos = 0
+    for spec, off in zip(layout.tensors, layout.tensor_offsets):
+        t = tensors[spec.name]
+        if TensorSpec.of(spec.name, t) != spec:
+            raise InvalidArgument(f"tensor {spec.name!r}: is {t.dtype} {list(t.shape)}, planned {spec.dtype} {list(spec.shape)}")
+        if off > pos:
+            yield pos, zeros[: off - pos]
+        data = tensor_bytes(t)
+        for i in range(0, len(data), chunk_bytes):
+            yield off + i, data[i : i + chunk_bytes]
+        pos = off + len(data)
+    if layout.data_size > pos:
+        yield pos, zeros[: layout.data_size - pos]

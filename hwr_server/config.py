@@ -1,0 +1,168 @@
+"""Daemon configuration: one dataclass, every field with unit and default.
+
+Read from a TOML file (``--config``) and overridden by CLI flags; both only in
+the CLI code (``hwr_server.cli``). Library code never reads the environment.
+Unknown keys are rejected so a typo cannot silently keep a default.
+
+Example ``/etc/hwr/config.toml``::
+
+    root = "/var/lib/hwr"
+    socket = "/run/hwr/hwr.sock"
+    admin_socket = "/run/hwr/admin.sock"
+    socket_group = "hwr"
+    capacity = "2TiB"
+    source_roots = ["/models", "/root/.cache/huggingface/hub"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from typing import Any
+
+from hwr_client.errors import InvalidArgument
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"100MiB"``, ``"2TiB"``, ``"1.5GB"``, ``"4096"`` or an int.
+
+    Raises:
+        InvalidArgument: anything else.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise InvalidArgument(f"size {text}: expected >= 0")
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise InvalidArgument(f"size {text!r}: expected a number with an optional unit like 100MiB or 2TiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+
+
+def default_paths(uid: int | None = None, env: dict[str, str] | None = None) -> tuple[str, str, str]:
+    """(root, socket, admin socket) defaults: system paths for root, the
+    XDG data/runtime directories for a normal user."""
+    uid = os.getuid() if uid is None else uid
+    env = os.environ if env is None else env  # only called from CLI code
+    if uid == 0:
+        return "/var/lib/hwr", "/run/hwr/hwr.sock", "/run/hwr/admin.sock"
+    data = env.get("XDG_DATA_HOME") or os.path.join(env.get("HOME", f"/tmp/hwr-{uid}"), ".local", "share")
+    run = env.get("XDG_RUNTIME_DIR") or f"/tmp/hwr-{uid}-run"
+    return os.path.join(data, "hwr"), os.path.join(run, "hwr", "hwr.sock"), os.path.join(run, "hwr", "admin.sock")
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Everything ``hwr serve`` can be told."""
+
+    #: Store root directory (one storage domain). Default: see default_paths.
+    root: str = ""
+    #: Runtime socket path (workers). Mode 0660.
+    socket: str = ""
+    #: Admin socket path (operators). Mode 0600.
+    admin_socket: str = ""
+    #: Group that owns the runtime socket; "" keeps the daemon's group.
+    socket_group: str = ""
+    #: Byte budget of the root; 0 = unlimited (only the disk's free space).
+    capacity: int = 0
+    #: GC starts above this fraction of capacity ...
+    gc_high_watermark: float = 0.90
+    #: ... and collects down to this fraction.
+    gc_low_watermark: float = 0.80
+    #: Seconds between automatic capacity checks.
+    gc_interval_s: float = 30.0
+    #: Directories the daemon may read canonical checkpoints from.
+    source_roots: list[str] = dataclasses.field(default_factory=list)
+    #: Client keepalive period, milliseconds.
+    keepalive_interval_ms: int = 5000
+    #: A session without a keepalive for this long loses its leases, ms.
+    keepalive_timeout_ms: int = 30000
+    #: After a restart, persisted leases wait this long for their clients to
+    #: re-attach; GC does not run before it ends. Seconds.
+    lease_grace_s: float = 60.0
+    #: SIGTERM: in-flight calls get this long to finish. Seconds.
+    shutdown_grace_s: float = 10.0
+    #: Largest payload chunk accepted, bytes.
+    max_chunk_bytes: int = 4 * 1024 * 1024
+    #: Publications running at once; more wait at plan. Count.
+    max_publications: int = 4
+    #: Threads hashing source files / verifying. Count; 0 = CPU count.
+    hash_threads: int = 0
+    #: Prometheus: "127.0.0.1:9464" to serve on loopback, "" for none.
+    metrics_listen: str = ""
+    #: Prometheus textfile-collector path written periodically, "" for none.
+    metrics_textfile: str = ""
+    #: Background scrub rate, bytes/s; 0 disables scrubbing.
+    scrub_bytes_per_s: int = 0
+    #: gRPC worker threads. Count.
+    grpc_threads: int = 64
+
+    def resolved(self) -> "ServerConfig":
+        """A copy with empty paths filled from :func:`default_paths`."""
+        root, sock, admin = default_paths()
+        return dataclasses.replace(
+            self, root=self.root or root, socket=self.socket or sock, admin_socket=self.admin_socket or admin
+        )
+
+    def validate(self) -> "ServerConfig":
+        if not (0 < self.gc_low_watermark < self.gc_high_watermark <= 1.0):
+            raise InvalidArgument(
+                f"config: expected 0 < gc_low_watermark ({self.gc_low_watermark}) < gc_high_watermark "
+                f"({self.gc_high_watermark}) <= 1"
+            )
+        if self.keepalive_timeout_ms < 2 * self.keepalive_interval_ms:
+            raise InvalidArgument(
+                f"config: keepalive_timeout_ms ({self.keepalive_timeout_ms}) must be at least twice "
+                f"keepalive_interval_ms ({self.keepalive_interval_ms})"
+            )
+        for r in self.source_roots:
+            if not os.path.isabs(r):
+                raise InvalidArgument(f"config: source root {r!r} must be an absolute path")
+        return self
+
+    @classmethod
+    def from_mapping(cls, doc: dict[str, Any], *, what: str = "config") -> "ServerConfig":
+        """Builds a config from a parsed TOML/JSON mapping.
+
+        Raises:
+            InvalidArgument: unknown key or a value of the wrong type.
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(doc) - set(fields)
+        if unknown:
+            raise InvalidArgument(f"{what}: unknown key(s) {sorted(unknown)}; expected some of {sorted(fields)}")
+        values: dict[str, Any] = {}
+        for k, v in doc.items():
+            if k == "capacity" or k.endswith("_bytes") or k.endswith("_bytes_per_s"):
+                values[k] = parse_size(v)
+                continue
+            default = getattr(cls(), k)
+            if isinstance(default, bool) or type(default) is int:
+                ok = type(v) is int
+            elif isinstance(default, float):
+                ok = type(v) in (int, float)
+            elif isinstance(default, list):
+                ok = isinstance(v, list) and all(isinstance(x, str) for x in v)
+            else:
+                ok = isinstance(v, str)
+            if not ok:
+                raise InvalidArgument(f"{what}: {k} = {v!r} has the wrong type; expected {type(default).__name__}")
+            values[k] = float(v) if isinstance(default, float) else v
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str) -> "ServerConfig":
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except OSError as exc:
+            raise InvalidArgument(f"config {path}: cannot read ({exc.strerror})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise InvalidArgument(f"config {path}: not valid TOML ({exc})") from None
+        return cls.from_mapping(doc, what=f"config {path}")
