@@ -1,0 +1,98 @@
+"""Lease rpcs: Session, AcquireLease, ReleaseLease (runtime) and ListLeases
+(admin). Thin: parse, call :class:`hwr_server.leases.LeaseManager`, build the
+reply. Errors are raised as :mod:`hwr_client.errors` classes; the servicer
+turns them into statuses.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import grpc
+
+from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.errors import InvalidArgument, Unavailable
+from hwr_server.leases import LeaseInfo, LeaseManager
+
+log = logging.getLogger(__name__)
+
+
+def _manager(daemon: Any) -> LeaseManager:
+    leases = getattr(daemon, "leases", None)
+    if leases is None or not getattr(daemon, "ready", True):
+        raise Unavailable("leases: the daemon is not serving leases yet; retry shortly")
+    return leases
+
+
+def session(daemon: Any, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext
+            ) -> Iterator[pb.SessionEvent]:
+    """The session stream: SessionOpen first, then keepalives.
+
+    The session (and every lease bound to it) ends when the stream ends for
+    any reason: the client closed it, its process died (the kernel closes
+    the socket, gRPC cancels the call and runs our callback), the daemon
+    cancelled it after missed keepalives, or shutdown.
+
+    Raises:
+        InvalidArgument: the first message is not ``open``, or ``open`` is
+            sent twice.
+    """
+    leases = _manager(daemon)
+    first = next(requests, None)
+    if first is None or first.WhichOneof("kind") != "open":
+        raise InvalidArgument("session: expected SessionOpen as the first message")
+    opened = first.open
+    grant = leases.open_session(opened.pid, opened.client_name, list(opened.reattach_lease_ids),
+                                on_expire=context.cancel)
+    sid = grant.session_id
+    # The callback runs when the RPC terminates for any reason, even while
+    # this generator is blocked waiting for the next request; that is what
+    # makes a SIGKILLed client's leases go within a second. If the call has
+    # already terminated, add_callback refuses and we end the session now.
+    if not context.add_callback(lambda: leases.end_session(sid, reason="stream closed")):
+        leases.end_session(sid, reason="stream closed before open completed")
+        return
+    try:
+        yield pb.SessionEvent(opened=pb.SessionOpened(
+            session_id=sid,
+            keepalive_interval_ms=grant.keepalive_interval_ms,
+            keepalive_timeout_ms=grant.keepalive_timeout_ms,
+            reattached_lease_ids=list(grant.reattached),
+            lost_lease_ids=list(grant.lost),
+        ))
+        for req in requests:
+            if req.WhichOneof("kind") != "keepalive":
+                raise InvalidArgument(f"session {sid[:6]}…: SessionOpen sent twice; expected keepalives")
+            if not leases.keepalive(sid):
+                # The daemon ended this session (timeout): end the stream so
+                # the client notices and re-opens.
+                return
+            yield pb.SessionEvent(keepalive_ack=pb.KeepaliveAck())
+    finally:
+        leases.end_session(sid, reason="stream ended")
+
+
+def acquire(daemon: Any, request: pb.AcquireLeaseRequest, context: grpc.ServicerContext) -> pb.AcquireLeaseReply:
+    """Pins an artifact for the calling session; see LeaseManager.acquire."""
+    if not request.session_id:
+        raise InvalidArgument("AcquireLease: session_id is empty; open a session first")
+    grant = _manager(daemon).acquire(request.session_id, request.key)
+    return pb.AcquireLeaseReply(lease_id=grant.lease_id, manifest_json=grant.manifest_json,
+                                blob_paths=list(grant.blob_paths))
+
+
+def release(daemon: Any, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext) -> pb.ReleaseLeaseReply:
+    """Releases a lease the session holds; anything else answers False."""
+    return pb.ReleaseLeaseReply(released=_manager(daemon).release(request.session_id, request.lease_id))
+
+
+def lease_info_pb(info: LeaseInfo) -> pb.LeaseInfo:
+    """The wire form of a LeaseInfo (also used by InspectArtifact)."""
+    return pb.LeaseInfo(lease_id_prefix=info.lease_id_prefix, key=info.key, pid=info.pid,
+                        client_name=info.client_name, acquired_unix=info.acquired_unix, state=info.state)
+
+
+def list_leases(daemon: Any, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesReply:
+    """Every lease, attached or awaiting re-attach, by acquisition time."""
+    return pb.ListLeasesReply(leases=[lease_info_pb(i) for i in _manager(daemon).list()])
