@@ -20,8 +20,9 @@ from hwr_client.errors import (
     Unavailable,
 )
 from hwr_client.identity import Identity
+from hwr_client.sources import build_identity  # issue 4: identities from real checkpoints
 
 __all__ = [
-    "Aborted", "AlreadyExists", "Client", "DataLoss", "FailedPrecondition", "HwrError", "Identity", "Internal",
+    "Aborted", "AlreadyExists", "Client", "build_identity", "DataLoss", "FailedPrecondition", "HwrError", "Identity", "Internal",
     "InvalidArgument", "NotFound", "PermissionDenied", "ResourceExhausted", "Unavailable", "connect",
 ]

@@ -1,0 +1,424 @@
+"""Source identity on the client: content ids of canonical checkpoint files
+and identities built from real checkpoints (DESIGN §3, §6).
+
+:func:`resolve_sources` asks the node daemon (which caches digests and hashes
+each file once per node); when the daemon refuses a path (outside its source
+roots) or does not answer, the file is hashed here with :func:`hash_file`,
+the ONE hashing function the daemon also uses, so a content id is the same
+whichever side computed it.
+
+:func:`build_identity` turns a checkpoint (a directory, a list of files, or
+a ``{name: path}`` mapping) into a validated :class:`~hwr_client.identity.Identity`.
+
+Example:
+    >>> ident = build_identity(                                  # doctest: +SKIP
+    ...     contract={"name": "flux2-klein", "version": 1},
+    ...     sources="/models/flux2-klein/transformer",
+    ...     layout={"tp_rank": 0, "tp_size": 1, "sp_size": 1, "sp_backend": "none"},
+    ...     representation={"dtype": "bfloat16"},
+    ...     producer={"id": "my-loader", "version": "3"})
+    >>> ident.key                                                # doctest: +SKIP
+    '5d1c…'
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import os
+import stat
+from typing import Any, Mapping, Sequence, Union
+
+from hwr_client.errors import (
+    FailedPrecondition,
+    HwrError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+from hwr_client.identity import Identity
+
+log = logging.getLogger(__name__)
+
+#: Bytes per read while hashing. Large reads keep the kernel's readahead busy
+#: and make the per-call GIL hand-off negligible (hashlib releases the GIL
+#: while it digests a buffer).
+READ_CHUNK = 8 * 1024 * 1024
+
+#: File name suffixes of a checkpoint directory that are part of its identity:
+#: weight files in every common format, plus JSON (configs and shard indexes
+#: change how bytes are interpreted). Everything else (README, licences,
+#: images, download metadata) is not byte-relevant.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+CANONICAL_SUFFIXES = WEIGHT_SUFFIXES + (".json",)
+
+SourcesArg = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Mapping[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceDigest:
+    """The content id of one canonical file.
+
+    ``origin``: "cache" (daemon record), "hub" (trusted Hugging Face blob
+    name), "hashed" (hashed by the daemon now) or "local" (hashed by this
+    process). ``cached`` is true when no bytes were hashed for this answer.
+    """
+
+    path: str
+    content_id: str
+    size: int
+    cached: bool
+    origin: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------
+# Hashing (shared with the daemon)
+# ---------------------------------------------------------------------------
+
+
+def os_error(path: str, exc: OSError) -> HwrError:
+    """The HWR error for an OS error on a source path, naming the path."""
+    if isinstance(exc, FileNotFoundError):
+        return NotFound(f"source {path}: no such file; expected an existing regular file")
+    if isinstance(exc, PermissionError):
+        return PermissionDenied(
+            f"source {path}: permission denied for uid {os.geteuid()}; expected a readable regular file"
+        )
+    if isinstance(exc, IsADirectoryError):
+        return InvalidArgument(f"source {path}: is a directory; expected a regular file")
+    return FailedPrecondition(f"source {path}: cannot read ({exc.strerror or exc})")
+
+
+def check_regular(path: str, st: os.stat_result) -> None:
+    """Raises unless ``st`` (of ``path``) is a regular file.
+
+    Raises:
+        InvalidArgument: a directory, FIFO, socket or device.
+    """
+    if stat.S_ISREG(st.st_mode):
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(
+            f"source {path}: is a directory; expected a regular file (list its files, or pass the "
+            "directory to build_identity)"
+        )
+    kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device or special file"
+    raise InvalidArgument(f"source {path}: is a {kind}; expected a regular file")
+
+
+def stat_source(path: str) -> os.stat_result:
+    """``os.stat`` (following links) of a source path that must be a regular
+    file; a broken symlink is reported as such.
+
+    Raises:
+        NotFound, PermissionDenied, InvalidArgument, FailedPrecondition.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise NotFound(f"source {path}: broken symlink to {os.readlink(path)!r}; expected a regular file") from None
+        raise NotFound(f"source {path}: no such file; expected an existing regular file") from None
+    except OSError as exc:
+        raise os_error(path, exc) from None
+    check_regular(path, st)
+    return st
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """Opens a regular file for reading without ever blocking on a FIFO.
+
+    The type is checked on ``stat`` BEFORE opening, and the open uses
+    O_NONBLOCK so that a FIFO swapped in between cannot block us either (its
+    open returns at once and the ``fstat`` check refuses it).
+
+    Returns:
+        (fd, fstat of the opened file). The caller closes the fd.
+
+    Raises:
+        NotFound, PermissionDenied, InvalidArgument, FailedPrecondition.
+    """
+    stat_source(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise os_error(path, exc) from None
+    try:
+        st = os.fstat(fd)
+        check_regular(path, st)
+        # Regular files ignore O_NONBLOCK for reads; clear it anyway so a
+        # read never returns EAGAIN on an exotic filesystem.
+        os.set_blocking(fd, True)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return fd, st
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def hash_fd(fd: int, path: str = "<fd>") -> tuple[str, int]:
+    """SHA-256 of everything readable from ``fd`` (from its current offset).
+
+    Returns:
+        (64 lowercase hex, bytes read).
+
+    Raises:
+        FailedPrecondition: a read error, naming ``path``.
+    """
+    h = hashlib.sha256()
+    buf = bytearray(READ_CHUNK)
+    view = memoryview(buf)
+    total = 0
+    with open(fd, "rb", buffering=0, closefd=False) as f:
+        while True:
+            try:
+                n = f.readinto(view)
+            except OSError as exc:
+                raise os_error(path, exc) from None
+            if not n:
+                break
+            h.update(view[:n])
+            total += n
+    return h.hexdigest(), total
+
+
+def hash_file(path: str) -> tuple[str, int]:
+    """SHA-256 hex and size of one regular file: the content id computation
+    shared by the daemon and the client.
+
+    Args:
+        path: a regular file (symlinks are followed).
+
+    Returns:
+        (64 lowercase hex, size in bytes).
+
+    Raises:
+        NotFound: no such file. PermissionDenied: not readable.
+        InvalidArgument: a directory or FIFO. FailedPrecondition: the file
+        changed size while it was read, or a read error.
+    """
+    fd, st = open_regular(path)
+    try:
+        digest, nbytes = hash_fd(fd, path)
+    finally:
+        os.close(fd)
+    if nbytes != st.st_size:
+        raise FailedPrecondition(
+            f"source {path}: read {nbytes} bytes, expected {st.st_size}; it changed while it was hashed, retry"
+        )
+    return digest, nbytes
+
+
+def content_id_of(hex_digest: str) -> str:
+    return "sha256:" + hex_digest
+
+
+# ---------------------------------------------------------------------------
+# Resolving through the daemon, with local fallback
+# ---------------------------------------------------------------------------
+
+
+def hash_locally(paths: Sequence[str], *, threads: int | None = None) -> list[SourceDigest]:
+    """Hashes ``paths`` in this process, in parallel across files.
+
+    Raises:
+        The first error of :func:`hash_file`, in request order.
+    """
+    if not paths:
+        return []
+    workers = max(1, min(len(paths), threads or os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hwr-hash") as pool:
+        results = list(pool.map(hash_file, paths))
+    return [SourceDigest(p, content_id_of(h), n, False, "local") for p, (h, n) in zip(paths, results)]
+
+
+def _ask_daemon(client: Any, paths: Sequence[str]) -> list[SourceDigest]:
+    from hwr_client._proto import hwr_pb2 as pb
+
+    # No deadline: a cold 100 GB checkpoint takes minutes to hash, and the
+    # call is safe to wait on (the daemon hashes each file once for everyone).
+    reply = client.call(client.runtime.ResolveSources, pb.ResolveSourcesRequest(paths=list(paths)), timeout=None)
+    return [SourceDigest(p, s.content_id, s.size, s.cached, s.origin) for p, s in zip(paths, reply.sources)]
+
+
+def resolve_sources(client: Any, paths: Sequence[str | os.PathLike[str]], *, threads: int | None = None) -> list[SourceDigest]:
+    """Content ids of canonical files, from the daemon's cache when it can.
+
+    Paths outside the daemon's source roots (PERMISSION_DENIED) and every
+    path when the daemon is unreachable (UNAVAILABLE) or ``client`` is None
+    are hashed locally: same content id, no cache.
+
+    Args:
+        client: a :class:`hwr_client.Client`, or None for local hashing only.
+        paths: files (made absolute against this process's cwd).
+        threads: local hashing threads; default CPU count.
+
+    Returns:
+        One :class:`SourceDigest` per path, in order.
+
+    Raises:
+        NotFound, InvalidArgument, PermissionDenied, FailedPrecondition: a
+        path that is missing, not a regular file, unreadable here, or changed
+        while hashed.
+    """
+    absolute = [os.path.abspath(os.fspath(p)) for p in paths]
+    if client is None or not absolute:
+        return hash_locally(absolute, threads=threads)
+    try:
+        return _ask_daemon(client, absolute)
+    except Unavailable as exc:
+        log.info("source digests: daemon unavailable (%s); hashing %d file(s) locally", exc, len(absolute))
+        return hash_locally(absolute, threads=threads)
+    except PermissionDenied as exc:
+        if len(absolute) == 1:
+            log.info("source digests: %s; hashing locally", exc)
+            return hash_locally(absolute, threads=threads)
+        log.info("source digests: %s; asking per file", exc)
+    # Some path is outside the source roots: ask per file, hash the refused
+    # ones here (in parallel).
+    out: dict[int, SourceDigest] = {}
+    refused: list[int] = []
+    for i, p in enumerate(absolute):
+        try:
+            out[i] = _ask_daemon(client, [p])[0]
+        except (PermissionDenied, Unavailable):
+            refused.append(i)
+    for i, d in zip(refused, hash_locally([absolute[i] for i in refused], threads=threads)):
+        out[i] = d
+    return [out[i] for i in range(len(absolute))]
+
+
+# ---------------------------------------------------------------------------
+# Identities from real checkpoints
+# ---------------------------------------------------------------------------
+
+
+def checkpoint_files(directory: str) -> list[tuple[str, str]]:
+    """The canonical files of a checkpoint directory: every file (recursively,
+    skipping hidden entries; file symlinks followed, directory symlinks not)
+    whose name ends in one of :data:`CANONICAL_SUFFIXES`.
+
+    Returns:
+        Sorted ``(name, path)``, name relative to ``directory`` with "/".
+
+    Raises:
+        NotFound: ``directory`` does not exist.
+        InvalidArgument: it holds no weight file.
+    """
+    if not os.path.isdir(directory):
+        raise NotFound(f"checkpoint directory {directory}: no such directory")
+    found = []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in filenames:
+            if name.startswith(".") or not name.endswith(CANONICAL_SUFFIXES):
+                continue
+            path = os.path.join(dirpath, name)
+            found.append((os.path.relpath(path, directory).replace(os.sep, "/"), path))
+    if not any(n.endswith(WEIGHT_SUFFIXES) for n, _ in found):
+        raise InvalidArgument(
+            f"checkpoint directory {directory}: no weight file ({', '.join(WEIGHT_SUFFIXES)}); "
+            "expected a checkpoint directory or an explicit list of files"
+        )
+    return sorted(found)
+
+
+def canonical_sources(sources: SourcesArg) -> list[tuple[str, str]]:
+    """``(name, absolute path)`` pairs from a directory, a list of files
+    (named relative to their common parent directory) or a ``{name: path}``
+    mapping.
+
+    Raises:
+        InvalidArgument: an empty list, or an entry of the wrong type.
+        NotFound: a directory that does not exist.
+    """
+    if isinstance(sources, Mapping):
+        pairs = [(str(n), os.path.abspath(os.fspath(p))) for n, p in sources.items()]
+    elif isinstance(sources, (str, os.PathLike)):
+        path = os.path.abspath(os.fspath(sources))
+        if os.path.isdir(path):
+            return checkpoint_files(path)
+        pairs = [(os.path.basename(path), path)]
+    elif isinstance(sources, (list, tuple)):
+        paths = [os.path.abspath(os.fspath(p)) for p in sources]
+        if not paths:
+            raise InvalidArgument("identity sources: expected at least one file")
+        base = os.path.commonpath([os.path.dirname(p) for p in paths])
+        pairs = [(os.path.relpath(p, base).replace(os.sep, "/"), p) for p in paths]
+    else:
+        raise InvalidArgument(
+            f"identity sources: expected a directory, a list of files or a name->path mapping, got {type(sources).__name__}"
+        )
+    if not pairs:
+        raise InvalidArgument("identity sources: expected at least one file")
+    return sorted(pairs)
+
+
+def build_identity(
+    *,
+    contract: Mapping[str, Any],
+    sources: SourcesArg,
+    layout: Mapping[str, Any],
+    representation: Mapping[str, Any],
+    producer: Mapping[str, Any],
+    extra: Mapping[str, Any] | None = None,
+    client: Any = None,
+) -> Identity:
+    """Builds the identity of an artifact produced from a real checkpoint.
+
+    Content ids come from the node daemon (cached, single flight) and fall
+    back to local hashing: the key is the same either way.
+
+    Args:
+        contract: ``{"name", "version"}`` of the final-layout contract.
+        sources: a checkpoint directory (its weight and JSON files, see
+            :func:`checkpoint_files`), a list of files (named by their path
+            relative to their common parent directory), or ``{name: path}``.
+        layout: ``{"tp_rank", "tp_size", "sp_size", "sp_backend"}``.
+        representation: ``{"dtype"[, "policy"]}``.
+        producer: ``{"id", "version"}``.
+        extra: any other byte-relevant canonical JSON; default ``{}``.
+        client: a :class:`hwr_client.Client`; None connects to the default
+            socket (and hashes locally if no daemon answers).
+
+    Returns:
+        The validated :class:`Identity`; its key is ``identity.key``.
+
+    Raises:
+        InvalidArgument: a malformed field or source list.
+        NotFound, PermissionDenied, FailedPrecondition: a source file that is
+        missing, unreadable or changed while hashed.
+
+    Example:
+        >>> ident = build_identity(contract={"name": "tiny-dit", "version": 1},   # doctest: +SKIP
+        ...     sources=["/models/tiny/model.safetensors", "/models/tiny/config.json"],
+        ...     layout={"tp_rank": 0, "tp_size": 1, "sp_size": 1, "sp_backend": "none"},
+        ...     representation={"dtype": "bfloat16"}, producer={"id": "demo", "version": "1"})
+    """
+    pairs = canonical_sources(sources)
+    own = client is None
+    if own:
+        from hwr_client.client import connect
+
+        client = connect()
+    try:
+        digests = resolve_sources(client, [p for _, p in pairs])
+    finally:
+        if own:
+            client.close()
+    doc = {
+        "contract": dict(contract),
+        "sources": [{"name": n, "content_id": d.content_id} for (n, _), d in zip(pairs, digests)],
+        "representation": dict(representation),
+        "layout": dict(layout),
+        "producer": dict(producer),
+        "extra": dict(extra or {}),
+    }
+    return Identity.from_dict(doc)

@@ -1,0 +1,78 @@
+"""gRPC handlers of the source-digest cache: ResolveSources (runtime),
+ListSources and ForgetSource (admin).
+
+Each handler validates the request, calls :class:`hwr_server.sources.SourceCache`
+and builds the reply; errors are :mod:`hwr_client.errors` classes that the
+servicer translates in one place. Hashing blocks a gRPC worker thread (never
+an event loop): the handler waits on the cache's hashing pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.errors import InvalidArgument, Unavailable
+
+
+def _cache(daemon: Any) -> Any:
+    """The daemon's SourceCache.
+
+    Raises:
+        Unavailable: the daemon runs without one (the client hashes locally).
+    """
+    cache = getattr(daemon, "sources", None)
+    if cache is None:
+        raise Unavailable("source cache: not running in this daemon; the client hashes locally")
+    return cache
+
+
+def resolve(daemon: Any, request: pb.ResolveSourcesRequest, context: grpc.ServicerContext) -> pb.ResolveSourcesReply:
+    """ResolveSources: one SourceDigest per requested path, in order.
+
+    Raises:
+        InvalidArgument: no paths, or a relative path.
+        PermissionDenied, NotFound, FailedPrecondition: see SourceCache.resolve.
+    """
+    paths = list(request.paths)
+    if not paths:
+        raise InvalidArgument("ResolveSources: expected at least one path")
+    digests = _cache(daemon).resolve(paths)
+    return pb.ResolveSourcesReply(
+        sources=[
+            pb.SourceDigest(path=d.path, content_id=d.content_id, size=d.size, cached=d.cached, origin=d.origin)
+            for d in digests
+        ]
+    )
+
+
+def list_records(daemon: Any, request: pb.ListSourcesRequest, context: grpc.ServicerContext) -> pb.ListSourcesReply:
+    """ListSources: every valid cache record, sorted by path.
+
+    Raises:
+        Unavailable: the cache database cannot be read now.
+    """
+    records = _cache(daemon).list_records()
+    return pb.ListSourcesReply(
+        records=[
+            pb.SourceRecord(
+                path=r.path, content_id=r.content_id, size=r.state.size, mtime_ns=r.state.mtime_ns,
+                recorded_unix=r.recorded_unix,
+            )
+            for r in records
+        ]
+    )
+
+
+def forget(daemon: Any, request: pb.ForgetSourceRequest, context: grpc.ServicerContext) -> pb.ForgetSourceReply:
+    """ForgetSource (admin socket only): drops one path's record.
+
+    Raises:
+        InvalidArgument: an empty or relative path.
+        Unavailable: the cache database cannot be written now.
+    """
+    if not request.path:
+        raise InvalidArgument("ForgetSource: expected a path")
+    return pb.ForgetSourceReply(forgotten=_cache(daemon).forget(request.path))
