@@ -1,0 +1,252 @@
+"""Prometheus metrics: every component's ``stats()`` turned into metric
+families at scrape time.
+
+Components report flat dicts whose keys are Prometheus names with labels
+written inline (``hwr_store_bytes{state="published"}``). :func:`families`
+parses those keys and groups them into families (``*_total`` are counters,
+everything else gauges), so a component adds a figure by adding a key, and
+``hwr stats --json`` (GetStats) and Prometheus always show the same numbers.
+
+Exposition, both optional and independent:
+
+- ``metrics_listen = "127.0.0.1:9464"``: an HTTP endpoint on a LOOPBACK
+  address only (the daemon has no network listener; a non-loopback address
+  is refused at start with a clear error);
+- ``metrics_textfile = "/var/lib/node_exporter/textfile/hwr.prom"``: written
+  every ``metrics_textfile_interval_s`` atomically (temp file + rename) for
+  node_exporter's textfile collector.
+
+The registry is our own ``CollectorRegistry``, never prometheus_client's
+global one, so nothing else in the process leaks into the output.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import re
+import threading
+import time
+from typing import Any, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.exposition import start_http_server
+
+from hwr_client.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+_KEY = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?$")
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,|$)')
+
+#: HELP text of the figures we know; others get a generic one.
+HELP = {
+    "hwr_store_bytes": "Bytes in the store by state (published, quarantined, staging, deleted_mapped).",
+    "hwr_artifacts": "Artifacts by state.",
+    "hwr_publications": "Publications by outcome.",
+    "hwr_publication_bytes": "Payload bytes received by publications.",
+    "hwr_publication_seconds": "Seconds spent in publications.",
+    "hwr_verify_failures": "Verifications that found corruption.",
+    "hwr_leases_active": "Leases currently held.",
+    "hwr_sessions_active": "Client sessions currently open.",
+    "hwr_source_cache_hits": "Source-digest requests answered from the cache.",
+    "hwr_source_cache_misses": "Source-digest requests that hashed the file.",
+    "hwr_gc_runs": "Garbage collections executed.",
+    "hwr_gc_bytes_freed": "Bytes unlinked by garbage collection.",
+    "hwr_recovery_seconds": "Seconds the last start-up recovery took.",
+    "hwr_uptime_seconds": "Seconds since the daemon started.",
+    "hwr_scrub_bytes": "Bytes re-hashed by the background scrub.",
+}
+
+
+def parse_key(key: str) -> tuple[str, dict[str, str]]:
+    """``'a_b{x="1",y="2"}'`` -> ``('a_b', {'x': '1', 'y': '2'})``.
+
+    Raises:
+        InvalidArgument: the key is not a metric name with optional labels.
+    """
+    m = _KEY.match(key.strip())
+    if not m:
+        raise InvalidArgument(f"stats key {key!r}: expected name{{label=\"value\",...}}")
+    name, body = m.group(1), m.group(2)
+    labels: dict[str, str] = {}
+    pos = 0
+    while body is not None and pos < len(body):
+        lm = _LABEL.match(body, pos)
+        if not lm or lm.end() == pos:
+            raise InvalidArgument(f"stats key {key!r}: malformed labels at {body[pos:]!r}")
+        labels[lm.group(1)] = lm.group(2).replace('\\"', '"').replace("\\\\", "\\")
+        pos = lm.end()
+    return name, labels
+
+
+def families(stats: Mapping[str, float]) -> list[Metric]:
+    """Metric families from a flat stats dict; bad keys/values are skipped
+    (and logged) so one component cannot break a scrape.
+
+    Args:
+        stats: ``{'hwr_store_bytes{state="published"}': 123.0, ...}``.
+
+    Returns:
+        One family per metric name, sorted by name.
+    """
+    out: dict[str, Metric] = {}
+    for key, value in stats.items():
+        try:
+            name, labels = parse_key(key)
+            value = float(value)
+        except (InvalidArgument, TypeError, ValueError) as exc:
+            log.warning("metrics: skipping stats key %r: %s", key, exc)
+            continue
+        counter = name.endswith("_total")
+        base = name[: -len("_total")] if counter else name
+        fam = out.get(base)
+        if fam is None:
+            fam = out[base] = Metric(base, HELP.get(base, f"HWR figure {base}."), "counter" if counter else "gauge")
+        fam.add_sample(name, labels, value)
+    return [out[k] for k in sorted(out)]
+
+
+class _StatsCollector:
+    """A prometheus_client custom collector calling ``gather`` per scrape."""
+
+    def __init__(self, gather: Any):
+        self._gather = gather
+
+    def collect(self) -> Iterable[Metric]:
+        return families(self._gather())
+
+
+def check_loopback(listen: str) -> tuple[str, int]:
+    """``"127.0.0.1:9464"`` / ``"[::1]:9464"`` / ``"localhost:9464"`` -> (host, port).
+
+    Raises:
+        InvalidArgument: not host:port, or the host is not a loopback address.
+    """
+    m = re.match(r"^\[?([^\[\]]*?)\]?:(\d+)$", listen.strip())
+    if not m:
+        raise InvalidArgument(f"metrics_listen {listen!r}: expected HOST:PORT, e.g. 127.0.0.1:9464")
+    host, port = m.group(1), int(m.group(2))
+    addr = "127.0.0.1" if host == "localhost" else host
+    try:
+        loopback = ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise InvalidArgument(
+            f"metrics_listen {listen!r}: the metrics endpoint is served on a loopback address only "
+            f"(127.0.0.1 or ::1); use metrics_textfile or a local scraper/proxy to export further")
+    return addr, port
+
+
+class Metrics:
+    """The daemon's metrics exposition (HTTP on loopback and/or a textfile).
+
+    Args:
+        daemon: the Daemon; its ``stats()`` and each component's ``stats()``
+            are merged at every scrape.
+
+    Raises:
+        InvalidArgument: ``metrics_listen`` is not a loopback address.
+    """
+
+    COMPONENTS = ("store", "leases", "sources", "gc", "scrub")
+
+    def __init__(self, daemon: Any):
+        self.daemon = daemon
+        cfg = daemon.config
+        self.listen = check_loopback(cfg.metrics_listen) if cfg.metrics_listen else None
+        self.textfile = cfg.metrics_textfile or ""
+        self.interval_s = float(getattr(cfg, "metrics_textfile_interval_s", 15.0))
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_StatsCollector(self.gather))
+        self.started = time.time()
+        self.textfile_writes = 0
+        self._server: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) the HTTP endpoint is bound to (port 0 resolved)."""
+        if self._server is None:
+            return None
+        host, port = self._server.server_address[:2]
+        return host, port
+
+    def gather(self) -> dict[str, float]:
+        """Every component's figures in one dict (what GetStats also shows)."""
+        merged: dict[str, float] = {}
+        sources = [self.daemon] + [getattr(self.daemon, n, None) for n in self.COMPONENTS] + [self]
+        for comp in sources:
+            fn = getattr(comp, "stats", None)
+            if comp is None or not callable(fn):
+                continue
+            try:
+                merged.update(fn())
+            except Exception:  # noqa: BLE001 - one broken component must not break a scrape
+                log.exception("metrics: %s.stats() failed", type(comp).__name__)
+        return merged
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of the current figures."""
+        return generate_latest(self.registry)
+
+    def write_textfile(self) -> None:
+        """Writes the exposition to ``metrics_textfile`` atomically.
+
+        The temp file is in the same directory so the rename is atomic: the
+        textfile collector never reads a half-written file. No fsync: after a
+        crash a stale or missing metrics file is harmless.
+        """
+        if not self.textfile:
+            return
+        d = os.path.dirname(os.path.abspath(self.textfile))
+        tmp = os.path.join(d, f".{os.path.basename(self.textfile)}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(self.render())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, self.textfile)
+        self.textfile_writes += 1
+
+    def _textfile_loop(self) -> None:
+        # An event wait, not a sleep: stop() ends the loop at once.
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.write_textfile()
+            except OSError as exc:
+                log.warning("metrics: writing %s failed: %s", self.textfile, exc)
+
+    def start(self) -> None:
+        """Binds the loopback endpoint and starts the textfile writer."""
+        if self.listen is not None:
+            host, port = self.listen
+            self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+            log.info("metrics: serving http://%s:%d/metrics", *self.address)  # type: ignore[misc]
+        if self.textfile:
+            os.makedirs(os.path.dirname(os.path.abspath(self.textfile)), exist_ok=True)
+            self.write_textfile()
+            self._thread = threading.Thread(target=self._textfile_loop, name="hwr-metrics", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the endpoint and the writer; writes the textfile one last time."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self.textfile:
+            try:
+                self.write_textfile()
+            except OSError as exc:
+                log.warning("metrics: final write of %s failed: %s", self.textfile, exc)
+
+    def stats(self) -> dict[str, float]:
+        return {"hwr_uptime_seconds": time.time() - self.started,
+                "hwr_metrics_textfile_writes_total": self.textfile_writes}

@@ -1,0 +1,48 @@
+"""Handler of the CollectGarbage rpc (admin socket only; the servicer refuses
+it on the runtime socket).
+
+``dry_run`` answers the plan; otherwise the plan is executed and the reply
+lists what was actually removed. During the post-restart lease grace period
+nothing is executed and ``deferred_reason`` says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.errors import Unavailable
+from hwr_server.gc import GcItem
+
+
+def _item(i: GcItem) -> pb.GcItem:
+    return pb.GcItem(kind=i.kind, name=i.name, bytes=i.bytes, reason=i.reason)
+
+
+def collect(daemon: Any, request: pb.CollectGarbageRequest, context: Any) -> pb.CollectGarbageReply:
+    """Plans or runs one garbage collection.
+
+    Args:
+        daemon: the running daemon (``daemon.gc`` is the Collector).
+        request: ``dry_run`` and ``target_bytes`` (0 = the low watermark).
+        context: the gRPC context (unused).
+
+    Returns:
+        The items in execution order, bytes freed and usage before/after.
+
+    Raises:
+        Unavailable: the daemon has no collector (store not built).
+    """
+    gc = getattr(daemon, "gc", None)
+    if gc is None or getattr(daemon, "store", None) is None:
+        raise Unavailable("garbage collection: this daemon has no store/collector yet; retry when it is ready")
+    gc_plan, result, deferred = gc.collect(target_bytes=int(request.target_bytes), dry_run=bool(request.dry_run))
+    if result is None:
+        return pb.CollectGarbageReply(
+            items=[_item(i) for i in gc_plan.items], bytes_freed=gc_plan.bytes_freed, executed=False,
+            usage_before=gc_plan.usage_before, usage_after=gc_plan.usage_after, deferred_reason=deferred,
+        )
+    return pb.CollectGarbageReply(
+        items=[_item(i) for i in result.items], bytes_freed=result.bytes_freed, executed=True,
+        usage_before=result.usage_before, usage_after=result.usage_after,
+    )

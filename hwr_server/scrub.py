@@ -1,0 +1,150 @@
+"""Background scrub: low-rate deep verification of unleased artifacts.
+
+Bit rot and stray writes are found when a worker maps corrupt weights, unless
+someone looks first. With ``scrub_bytes_per_s > 0`` a thread walks the
+published artifacts (least recently scrubbed first), skips leased ones,
+re-hashes each with ``store.verify`` and quarantines any that fail, so the
+next worker gets a clean miss (and republishes) instead of wrong numbers.
+
+The rate is an average: after verifying an artifact of N bytes the thread
+waits N / rate seconds before the next one, so the scrub takes at most that
+share of the disk's bandwidth over time. A full pass is followed by a pause of
+at least ``MIN_PASS_INTERVAL_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from hwr_client.errors import DataLoss, FailedPrecondition, NotFound
+
+log = logging.getLogger(__name__)
+
+#: Seconds between the start of two full passes (at least).
+MIN_PASS_INTERVAL_S = 3600.0
+
+
+class Scrubber:
+    """The background scrub component.
+
+    Args:
+        config: ServerConfig (``scrub_bytes_per_s``; 0 = off).
+        store: the Store (``keys``, ``verify``, ``quarantine``); may be None.
+        leases: the LeaseManager (``pinned_keys``); may be None.
+    """
+
+    def __init__(self, config: Any, store: Any, leases: Any, *, pass_interval_s: float = MIN_PASS_INTERVAL_S):
+        self.rate = int(getattr(config, "scrub_bytes_per_s", 0) or 0)
+        self.store = store
+        self.leases = leases
+        self.pass_interval_s = pass_interval_s
+        self._last: dict[str, float] = {}  # key -> monotonic time of its last scrub
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.bytes_total = 0
+        self.artifacts_total = 0
+        self.corrupt_total = 0
+        self.passes_total = 0
+        self.skipped_leased_total = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate > 0 and self.store is not None
+
+    def _pinned(self) -> set[str]:
+        return set(self.leases.pinned_keys()) if self.leases is not None else set()
+
+    def scrub_one(self, key: str) -> int:
+        """Verifies one artifact unless leased; quarantines it if corrupt.
+
+        Returns:
+            Bytes re-hashed (0 when skipped).
+        """
+        if key in self._pinned():
+            self.skipped_leased_total += 1
+            return 0
+        problems: list[str]
+        try:
+            result = self.store.verify(key)
+            ok, problems, nbytes = bool(result.ok), list(result.problems), int(result.bytes_checked)
+        except DataLoss as exc:
+            ok, problems, nbytes = False, [str(exc)], 0
+        except (NotFound, FailedPrecondition):
+            return 0  # deleted or already quarantined meanwhile
+        self._last[key] = time.monotonic()
+        self.artifacts_total += 1
+        self.bytes_total += nbytes
+        if not ok:
+            self.corrupt_total += 1
+            log.error("scrub: artifact %s is corrupt: %s", key[:16], "; ".join(problems[:5]))
+            self._quarantine(key, problems)
+        return nbytes
+
+    def _quarantine(self, key: str, problems: list[str]) -> None:
+        if key not in set(self.store.keys()):
+            return  # verify already quarantined it
+        try:
+            self.store.quarantine(key, "scrub: " + (problems[0] if problems else "verification failed"))
+        except (NotFound, FailedPrecondition) as exc:
+            log.info("scrub: quarantine of %s not needed: %s", key[:16], exc)
+
+    def run_pass(self) -> int:
+        """One pass over the published artifacts, paced at ``rate``.
+
+        Returns:
+            Artifacts verified in this pass.
+        """
+        keys = sorted(self.store.keys(), key=lambda k: (self._last.get(k, 0.0), k))
+        done = 0
+        for key in keys:
+            if self._stop.is_set():
+                break
+            try:
+                nbytes = self.scrub_one(key)
+            except Exception:  # noqa: BLE001 - one bad artifact must not end the scrub
+                log.exception("scrub: verifying %s failed", key[:16])
+                continue
+            done += nbytes > 0
+            # Pace: an event wait (stop() is prompt) of the time these bytes
+            # "cost" at the configured rate.
+            if nbytes and self._stop.wait(nbytes / self.rate):
+                break
+        self.passes_total += 1
+        live = set(keys)
+        for k in [k for k in self._last if k not in live]:
+            del self._last[k]
+        return done
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.run_pass()
+            except Exception:  # noqa: BLE001 - keep scrubbing later
+                log.exception("scrub: pass failed")
+            self._stop.wait(max(1.0, self.pass_interval_s - (time.monotonic() - started)))
+
+    def start(self) -> None:
+        """Starts the scrub thread if ``scrub_bytes_per_s`` > 0."""
+        if self.enabled and self._thread is None:
+            log.info("scrub: verifying unleased artifacts at %d bytes/s", self.rate)
+            self._thread = threading.Thread(target=self._loop, name="hwr-scrub", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "hwr_scrub_bytes_total": self.bytes_total,
+            "hwr_scrub_artifacts_total": self.artifacts_total,
+            "hwr_scrub_corrupt_total": self.corrupt_total,
+            "hwr_scrub_passes_total": self.passes_total,
+            "hwr_scrub_rate_bytes_per_second": self.rate,
+        }
