@@ -1,0 +1,678 @@
+"""One publication (DESIGN §5): plan → staging → chunks → commit.
+
+Ordered mode: chunks arrive strictly sequentially; each is written once and
+hashed from the same in-memory bytes by two pipeline threads (file SHA-256 +
+xxh3 in one, tensor SHA-256 + block xxh3 + padding check in the other), so
+the payload is never read back. Each finished file goes to a background
+fsync while the next file's bytes flow.
+
+Unordered mode: chunks carry offsets, are written with ``pwrite`` and their
+coverage is tracked (an overlap is refused at once, a gap at commit); the
+files are hashed at commit by a parallel read-back.
+
+Commit, in this order (the durability order):
+  1. every byte received, every digest computed, every payload fsynced;
+  2. declared digests checked (FAILED_PRECONDITION on mismatch);
+  3. payloads moved into blobs/ (or dropped when the blob exists), blobs/ fsynced;
+  4. manifest written and fsynced, its directory fsynced;
+  5. artifact directory renamed into artifacts/, artifacts/ fsynced (publish point);
+  6. only then the reply.
+Any failure before 5 leaves nothing visible and removes the staging directory.
+
+The hashers here are also used by deep verification (:func:`verify_artifact`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import errno
+import hashlib
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import xxhash
+
+from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.errors import FailedPrecondition, HwrError, Internal, InvalidArgument, ResourceExhausted
+from hwr_client.layout import parse_header
+from hwr_client.local import build_manifest
+from hwr_client.manifest import Manifest
+from hwr_client.plan import CheckedPlan, check_plan, from_proto
+
+log = logging.getLogger(__name__)
+
+#: Chunks queued per hashing thread; bounds in-flight memory per publication
+#: to about (QUEUE_DEPTH + 2) x max_chunk_bytes.
+QUEUE_DEPTH = 4
+#: Read size of the read-back hashers (unordered commit, verify).
+READ_BYTES = 8 * 1024 * 1024
+_HEX64 = "0123456789abcdef"
+
+
+# ---------------------------------------------------------------------------
+# Hashers: one file, bytes fed strictly in order
+# ---------------------------------------------------------------------------
+
+
+class WholeHasher:
+    """SHA-256 and xxh3-128 of a whole file (header included)."""
+
+    def __init__(self, header: bytes = b""):
+        self.sha = hashlib.sha256(header)
+        self.xxh = xxhash.xxh3_128(header)
+
+    def update(self, data: Any) -> None:
+        self.sha.update(data)  # releases the GIL for large buffers
+        self.xxh.update(data)
+
+    def digests(self) -> tuple[str, str]:
+        return self.sha.hexdigest(), self.xxh.hexdigest()
+
+
+class PartsHasher:
+    """Per-tensor SHA-256, per-block xxh3-128 and the zero check of padding,
+    over absolute file offsets, fed in order starting at ``start``.
+
+    Args:
+        tensors: (name, begin, end) absolute ranges.
+        blocks: (index, begin, end) absolute ranges.
+        pads: (begin, end) absolute ranges that must hold zero bytes.
+        start: offset of the first byte fed.
+    """
+
+    def __init__(self, tensors: Sequence[tuple[str, int, int]], blocks: Sequence[tuple[int, int, int]],
+                 pads: Sequence[tuple[int, int]], start: int, what: str):
+        self.what = what
+        self.pos = start
+        self.tensor_sha = {name: hashlib.sha256() for name, _, _ in tensors}
+        self.block_xxh = {i: xxhash.xxh3_128() for i, _, _ in blocks}
+        segs = [(b, e, 0, n) for n, b, e in tensors] + [(b, e, 1, None) for b, e in pads]
+        self._segs = sorted(segs, key=lambda s: (s[0], s[1]))
+        self._blocks = sorted(((b, e, i) for i, b, e in blocks))
+        self._si = self._bi = 0
+        self.problems: list[str] = []
+
+    def update(self, data: Any) -> None:
+        mv = memoryview(data)
+        start, end = self.pos, self.pos + len(mv)
+        self._si = self._walk(self._segs, self._si, mv, start, end, self._segment)
+        self._bi = self._walk(self._blocks, self._bi, mv, start, end, self._block)
+        self.pos = end
+
+    @staticmethod
+    def _walk(segs: list, i: int, mv: memoryview, start: int, end: int, fn: Callable) -> int:
+        while i < len(segs):
+            seg = segs[i]
+            b, e = seg[0], seg[1]
+            if b >= end and e > b:
+                break
+            lo, hi = max(b, start), min(e, end)
+            if hi > lo:
+                fn(seg, mv[lo - start : hi - start], lo)
+            if e > end:
+                break
+            i += 1
+        return i
+
+    def _segment(self, seg: tuple, piece: memoryview, at: int) -> None:
+        if seg[2] == 0:
+            self.tensor_sha[seg[3]].update(piece)
+        elif any(piece):  # padding is < 64 bytes per tensor: a Python scan is cheap
+            self.problems.append(f"{self.what}: alignment padding at offset {at} is not zero; padding must be zero bytes")
+
+    def _block(self, seg: tuple, piece: memoryview, at: int) -> None:
+        self.block_xxh[seg[2]].update(piece)
+
+    def tensor_digests(self) -> dict[str, str]:
+        return {n: h.hexdigest() for n, h in self.tensor_sha.items()}
+
+    def block_digests(self) -> dict[int, str]:
+        return {i: h.hexdigest() for i, h in self.block_xxh.items()}
+
+
+def parts_from_plan(checked: CheckedPlan, fi: int) -> PartsHasher:
+    """The PartsHasher of planned file ``fi``."""
+    lay = checked.layouts[fi]
+    ds = lay.data_start
+    tensors = [(s.name, ds + o, ds + o + s.nbytes) for s, o in zip(lay.tensors, lay.tensor_offsets)]
+    pads = [(ds + b, ds + e) for b, e in lay.padding_ranges()]
+    blocks = [(b.index, b.begin, b.end) for b in checked.blocks if b.file == fi]
+    return PartsHasher(tensors, blocks, pads, ds, f"file {fi} ({checked.plan.files[fi].name})")
+
+
+def parts_from_manifest(manifest: Manifest, fi: int) -> PartsHasher:
+    """The PartsHasher of manifest file ``fi`` (padding = gaps between tensors)."""
+    f = manifest.files[fi]
+    ts = sorted(((t.name, t.offset, t.offset + t.nbytes) for t in manifest.tensors if t.file == fi),
+                key=lambda x: x[1])
+    pads, pos = [], f.data_start
+    for _, b, e in ts:
+        if b > pos:
+            pads.append((pos, b))
+        pos = max(pos, e)
+    if f.size > pos:
+        pads.append((pos, f.size))
+    blocks = [(b.index, b.begin, b.end) for b in manifest.blocks if b.file == fi]
+    return PartsHasher(ts, blocks, pads, f.data_start, f"file {fi} (blob {f.blob[:12]})")
+
+
+class _Stage(threading.Thread):
+    """A pipeline thread applying ``fn`` to queued items, in order.
+
+    The queue is bounded so a slow hasher throttles the writer instead of
+    letting chunks pile up in memory.
+    """
+
+    def __init__(self, fn: Callable[[Any], None], name: str):
+        super().__init__(name=name, daemon=True)
+        self.fn = fn
+        self.q: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if self.error is None:
+                try:
+                    self.fn(item)
+                except BaseException as exc:  # noqa: BLE001 - reported by finish()
+                    self.error = exc
+
+    def finish(self) -> None:
+        self.q.put(None)
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+
+def readback(path: str, whole: WholeHasher, parts: PartsHasher, data_start: int, size: int) -> int:
+    """Hashes a file from disk: the caller's thread reads and runs ``parts``
+    while a helper thread runs ``whole`` (two SHA-256 streams overlap).
+
+    Returns:
+        Bytes read.
+    """
+    helper = _Stage(whole.update, "hwr-readback-file")
+    helper.start()
+    total = 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while True:
+                buf = f.read(READ_BYTES)
+                if not buf:
+                    break
+                helper.q.put(buf)
+                if total + len(buf) > data_start:
+                    skip = max(0, data_start - total)
+                    parts.update(memoryview(buf)[skip:])
+                total += len(buf)
+    finally:
+        helper.finish()
+    return total
+
+
+# ---------------------------------------------------------------------------
+# Deep verification of a stored artifact
+# ---------------------------------------------------------------------------
+
+
+def verify_file(manifest: Manifest, fi: int, path: str) -> tuple[list[str], bool, int]:
+    """Re-hashes one blob; returns (problems, blob is bad, bytes read)."""
+    f = manifest.files[fi]
+    what = f"artifact {manifest.key[:12]} file {fi} (blob {f.blob[:12]})"
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return [f"{what}: blob missing at {path}"], True, 0
+    problems: list[str] = []
+    if size != f.size:
+        problems.append(f"{what}: size {size}, expected {f.size}")
+    try:
+        with open(path, "rb") as fh:
+            header = parse_header(fh, size, what=what)
+        expect = sorted((t.name, t.dtype, tuple(t.shape), t.offset) for t in manifest.tensors if t.file == fi)
+        got = sorted((e.name, e.dtype, tuple(e.shape), header.data_start + e.begin) for e in header.tensors())
+        if header.data_start != f.data_start or got != expect:
+            problems.append(f"{what}: safetensors header does not describe the manifest's tensors")
+    except HwrError as exc:
+        problems.append(str(exc))
+    whole, parts = WholeHasher(), parts_from_manifest(manifest, fi)
+    nread = readback(path, whole, parts, f.data_start, size)
+    sha, xxh = whole.digests()
+    bad = bool(problems) or sha != f.blob
+    if sha != f.blob:
+        problems.append(f"{what}: sha256 {sha[:12]}…, expected {f.blob[:12]}…")
+    if xxh != f.xxh3_128:
+        problems.append(f"{what}: xxh3_128 {xxh}, expected {f.xxh3_128}")
+    tdig, bdig = parts.tensor_digests(), parts.block_digests()
+    for t in manifest.tensors:
+        if t.file == fi and tdig.get(t.name) != t.sha256:
+            problems.append(f"artifact {manifest.key[:12]} tensor {t.name!r}: sha256 mismatch, expected {t.sha256[:12]}…")
+    for b in manifest.blocks:
+        if b.file == fi and bdig.get(b.index) != b.xxh3_128:
+            problems.append(f"artifact {manifest.key[:12]} block {b.index} ({b.prefix!r}): xxh3_128 mismatch")
+    return problems + parts.problems, bad, nread
+
+
+def verify_artifact(manifest: Manifest, paths: Sequence[str], *, threads: int = 2) -> tuple[list[str], list[str], int]:
+    """Deep verification of every file (files in parallel, two hashing
+    threads each). Returns (every problem, bad blob digests, bytes read)."""
+    with ThreadPoolExecutor(max_workers=max(1, threads // 2)) as pool:
+        results = list(pool.map(lambda i: verify_file(manifest, i, paths[i]), range(len(paths))))
+    problems = [p for r in results for p in r[0]]
+    bad = [manifest.files[i].blob for i, r in enumerate(results) if r[1]]
+    return problems, bad, sum(r[2] for r in results)
+
+
+# ---------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------
+
+
+def _os_error(exc: OSError, what: str) -> HwrError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted(f"{what}: the disk is full ({exc.strerror}); free space or run `hwr gc`")
+    return Internal(f"{what}: {exc.strerror or exc}")
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    mv = memoryview(data)
+    while mv:
+        n = os.pwrite(fd, mv, offset)
+        mv, offset = mv[n:], offset + n
+
+
+class Coverage:
+    """Which byte ranges of a data region have been written (unordered mode)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._begins: list[int] = []
+        self._ends: list[int] = []
+        self.covered = 0
+
+    def add(self, begin: int, end: int, what: str) -> None:
+        """Records [begin, end).
+
+        Raises:
+            InvalidArgument: the range overlaps bytes already written.
+        """
+        i = bisect.bisect_right(self._begins, begin)
+        if (i > 0 and self._ends[i - 1] > begin) or (i < len(self._begins) and self._begins[i] < end):
+            raise InvalidArgument(f"{what}: chunk [{begin}, {end}) overlaps bytes already sent")
+        if i > 0 and self._ends[i - 1] == begin:  # merge with the left neighbour
+            i -= 1
+            self._ends[i] = end
+        else:
+            self._begins.insert(i, begin)
+            self._ends.insert(i, end)
+        if i + 1 < len(self._begins) and self._begins[i + 1] == self._ends[i]:  # and the right one
+            self._ends[i] = self._ends.pop(i + 1)
+            self._begins.pop(i + 1)
+        self.covered += end - begin
+
+    def first_gap(self) -> tuple[int, int] | None:
+        pos = 0
+        for b, e in zip(self._begins, self._ends):
+            if b > pos:
+                return pos, b
+            pos = e
+        return (pos, self.size) if pos < self.size else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Committed:
+    key: str
+    manifest_json: str
+    bytes_written: int
+    already_published: bool
+
+
+class Publication:
+    """One publication attempt; build with :meth:`begin`. Not thread-safe:
+    one gRPC stream drives it. :meth:`close` is idempotent and removes the
+    staging directory unless the commit completed."""
+
+    def __init__(self, store: Any, checked: CheckedPlan, pub_id: str, declared_tensors: dict[str, str]):
+        self.store = store
+        self.checked = checked
+        self.key = checked.plan.identity.key
+        self.pub_id = pub_id
+        self.declared_tensors = declared_tensors
+        self.already_published = False
+        self.staging = ""
+        self.fds: list[int] = []
+        self.bytes_written = 0
+        self.started = time.monotonic()
+        self._slot = False
+        self._claimed = False
+        self._done = False
+        self._counted = False
+        self._synced: set[int] = set()
+        self._cur = 0  # ordered: current file and data-region position
+        self._pos = 0
+        self._fsyncs: list[Future] = []
+        self._fsync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hwr-fsync-{pub_id[:6]}")
+        self._whole = [WholeHasher(lay.header) for lay in checked.layouts]
+        self._parts = [parts_from_plan(checked, i) for i in range(len(checked.layouts))]
+        self._coverage = [Coverage(lay.data_size) for lay in checked.layouts]
+        self._stages: list[_Stage] = []
+
+    # -- plan -------------------------------------------------------------------
+
+    @classmethod
+    def begin(cls, store: Any, msg: pb.PublishPlan, *, is_active: Callable[[], bool] = lambda: True) -> "Publication":
+        """Validates a plan, claims its key, checks capacity, creates staging.
+
+        Raises:
+            InvalidArgument: bad plan. Aborted: the key is being published.
+            ResourceExhausted: capacity or disk space.
+        """
+        try:
+            checked = check_plan(from_proto(msg))
+            declared = _declared_tensors(msg)
+        except HwrError:
+            store.count("rejected")
+            raise
+        import uuid
+
+        pub = cls(store, checked, uuid.uuid4().hex[:16], declared)
+        try:
+            pub._open(is_active)
+        except BaseException:
+            pub.close()
+            raise
+        return pub
+
+    def _open(self, is_active: Callable[[], bool]) -> None:
+        try:
+            published = self.store.claim(self.key, self.pub_id)
+        except HwrError:
+            self._counted = True  # counted as a conflict by the store
+            raise
+        if published:
+            self.already_published = True
+            return
+        self._claimed = True
+        # Wait for a publication slot (config.max_publications); give up when the caller left.
+        while not self.store.publication_slots.acquire(timeout=0.5):
+            if not is_active():
+                raise InvalidArgument(f"publication {self.pub_id}: caller went away while waiting for a slot")
+        self._slot = True
+        try:
+            self.store.capacity_hook(self.checked.total_bytes)
+        except HwrError:
+            self.store.count("rejected")
+            self._counted = True
+            raise
+        self.staging = self.store.new_staging(self.pub_id)
+        os.mkdir(os.path.join(self.staging, "artifact"), 0o755)
+        for i, lay in enumerate(self.checked.layouts):
+            path = self._file_path(i)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            self.fds.append(fd)
+            try:
+                # Preallocate so a full disk fails here, not in the middle of the payload.
+                os.posix_fallocate(fd, 0, lay.file_size)
+                _pwrite_all(fd, lay.header, 0)
+            except OSError as exc:
+                raise _os_error(exc, f"publication {self.pub_id} file {i}") from None
+        if self.checked.plan.ordered:
+            self._stages = [
+                _Stage(lambda it: self._whole[it[0]].update(it[1]), f"hwr-sha-file-{self.pub_id[:6]}"),
+                _Stage(lambda it: self._parts[it[0]].update(it[1]), f"hwr-sha-tensor-{self.pub_id[:6]}"),
+            ]
+            for s in self._stages:
+                s.start()
+        log.info("publication %s of %s: %d files, %d bytes, ordered=%s", self.pub_id, self.key[:12],
+                 len(self.fds), self.checked.total_bytes, self.checked.plan.ordered)
+
+    def _file_path(self, i: int) -> str:
+        return os.path.join(self.staging, f"{i:05d}.safetensors")
+
+    def accepted(self) -> pb.PublishAccepted:
+        return pb.PublishAccepted(
+            key=self.key, publication_id=self.pub_id, max_chunk_bytes=self.store.config.max_chunk_bytes,
+            already_published=self.already_published,
+            files=[pb.FileLayout(data_size=lay.data_size, tensor_offsets=list(lay.tensor_offsets))
+                   for lay in self.checked.layouts],
+        )
+
+    # -- chunks -----------------------------------------------------------------
+
+    def write(self, file_index: int, offset: int, data: bytes) -> None:
+        """Writes one chunk.
+
+        Raises:
+            InvalidArgument: bad index/offset/size, out of order, overlap.
+            ResourceExhausted: disk full.
+        """
+        what = f"publication {self.pub_id} file {file_index}"
+        if self.already_published:
+            raise InvalidArgument(f"{what}: artifact {self.key[:12]} is already published; send commit without payload")
+        if not data or len(data) > self.store.config.max_chunk_bytes:
+            raise InvalidArgument(f"{what}: chunk of {len(data)} bytes; expected 1..{self.store.config.max_chunk_bytes}")
+        if not 0 <= file_index < len(self.fds):
+            raise InvalidArgument(f"{what}: file index out of range; the plan has {len(self.fds)} files")
+        lay = self.checked.layouts[file_index]
+        if offset + len(data) > lay.data_size:
+            raise InvalidArgument(
+                f"{what}: chunk [{offset}, {offset + len(data)}) runs past the planned data size {lay.data_size} "
+                "(more payload than planned)"
+            )
+        if self.checked.plan.ordered:
+            self._check_order(file_index, offset, what)
+            self._write_ordered(file_index, offset, data, what)
+        else:
+            self._coverage[file_index].add(offset, offset + len(data), what)
+            self._pwrite(file_index, offset, data, what)
+        self.bytes_written += len(data)
+
+    def _check_order(self, fi: int, offset: int, what: str) -> None:
+        while self._cur < len(self.fds) - 1 and self._pos == self.checked.layouts[self._cur].data_size:
+            self._cur, self._pos = self._cur + 1, 0  # previous file complete: the next one starts
+        if (fi, offset) != (self._cur, self._pos):
+            raise InvalidArgument(
+                f"{what}: out-of-order chunk at offset {offset}; ordered mode expects file {self._cur} "
+                f"offset {self._pos} (use ordered=false to send chunks at arbitrary offsets)"
+            )
+
+    def _write_ordered(self, fi: int, offset: int, data: bytes, what: str) -> None:
+        for s in self._stages:
+            if s.error is not None:
+                raise s.error
+        self._pwrite(fi, offset, data, what)
+        for s in self._stages:
+            s.q.put((fi, data))  # blocks when the hasher is behind: bounded memory
+        self._pos = offset + len(data)
+        if self._pos == self.checked.layouts[fi].data_size:
+            # Durability of this file proceeds in the background while the next file's bytes flow.
+            self._synced.add(fi)
+            self._fsyncs.append(self._fsync_pool.submit(os.fsync, self.fds[fi]))
+
+    def _pwrite(self, fi: int, offset: int, data: bytes, what: str) -> None:
+        try:
+            _pwrite_all(self.fds[fi], data, self.checked.layouts[fi].data_start + offset)
+        except OSError as exc:
+            raise _os_error(exc, what) from None
+
+    # -- commit -----------------------------------------------------------------
+
+    def commit(self) -> Committed:
+        """Makes the artifact durable and visible (see the module docstring).
+
+        Raises:
+            InvalidArgument: missing payload or non-zero padding.
+            FailedPrecondition: a declared digest does not match.
+            ResourceExhausted: disk full.
+        """
+        if self.already_published:
+            self._done = True
+            self.store.count("already_published")
+            return Committed(self.key, self.store.manifest_json(self.key), 0, True)
+        self._check_complete()
+        # 1. Every digest and every payload fsync.
+        digests = self._digests_ordered() if self.checked.plan.ordered else self._digests_readback()
+        file_digests, tensor_digests, block_xxh = digests
+        self._failpoint("payload-durable")
+        # 2. Declared digests.
+        self._check_declared(file_digests, tensor_digests)
+        manifest = build_manifest(self.checked, file_digests, tensor_digests, block_xxh)
+        if self.checked.plan.declared_content_digest and manifest.content_digest != self.checked.plan.declared_content_digest:
+            raise FailedPrecondition(
+                f"publication {self.pub_id}: content digest {manifest.content_digest}, declared "
+                f"{self.checked.plan.declared_content_digest}"
+            )
+        try:
+            text = self._install(manifest)
+        except OSError as exc:
+            raise _os_error(exc, f"publication {self.pub_id} commit") from None
+        self._done = True
+        seconds = time.monotonic() - self.started
+        self.store.count("committed", nbytes=self.bytes_written, seconds=seconds)
+        log.info("publication %s committed %s: %d bytes in %.2f s", self.pub_id, self.key[:12], self.bytes_written, seconds)
+        return Committed(self.key, text, self.bytes_written, False)
+
+    def _check_complete(self) -> None:
+        for i, (lay, cov) in enumerate(zip(self.checked.layouts, self._coverage)):
+            if self.checked.plan.ordered:
+                got = lay.data_size if i < self._cur else (self._pos if i == self._cur else 0)
+                if got != lay.data_size:
+                    raise InvalidArgument(
+                        f"publication {self.pub_id} file {i}: commit after {got} of {lay.data_size} payload bytes "
+                        "(too few bytes)"
+                    )
+            elif cov.first_gap() is not None:
+                b, e = cov.first_gap()
+                raise InvalidArgument(
+                    f"publication {self.pub_id} file {i}: commit with bytes [{b}, {e}) never sent (too few bytes)"
+                )
+
+    def _digests_ordered(self) -> tuple[list, dict, list]:
+        stages, self._stages = self._stages, []
+        for s in stages:
+            s.finish()  # waits until every queued chunk is hashed
+        for i, fd in enumerate(self.fds):
+            if i not in self._synced:  # files without data bytes (only empty tensors)
+                self._fsyncs.append(self._fsync_pool.submit(os.fsync, fd))
+        for fut in self._fsyncs:
+            fut.result()  # every payload file is durable before the manifest exists
+        return self._collect()
+
+    def _digests_readback(self) -> tuple[list, dict, list]:
+        def one(i: int) -> None:
+            lay = self.checked.layouts[i]
+            os.fsync(self.fds[i])  # payload durable before any manifest refers to it
+            self._whole[i] = WholeHasher()  # the read-back sees the header too
+            readback(self._file_path(i), self._whole[i], self._parts[i], lay.data_start, lay.file_size)
+
+        threads = max(1, (self.store.config.hash_threads or os.cpu_count() or 2) // 2)
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hwr-readback") as pool:
+            for fut in [pool.submit(one, i) for i in range(len(self.fds))]:
+                fut.result()
+        return self._collect()
+
+    def _collect(self) -> tuple[list, dict, list]:
+        problems = [p for parts in self._parts for p in parts.problems]
+        if problems:
+            raise InvalidArgument("; ".join(problems[:5]))
+        tensors: dict[str, str] = {}
+        blocks: dict[int, str] = {}
+        for parts in self._parts:
+            tensors.update(parts.tensor_digests())
+            blocks.update(parts.block_digests())
+        return [w.digests() for w in self._whole], tensors, [blocks[b.index] for b in self.checked.blocks]
+
+    def _check_declared(self, file_digests: list, tensor_digests: dict[str, str]) -> None:
+        bad = []
+        for i, f in enumerate(self.checked.plan.files):
+            if f.declared_sha256 and f.declared_sha256 != file_digests[i][0]:
+                bad.append(f"file {i} ({f.name}): sha256 {file_digests[i][0]}, declared {f.declared_sha256}")
+        for name, want in self.declared_tensors.items():
+            if tensor_digests[name] != want:
+                bad.append(f"tensor {name!r}: sha256 {tensor_digests[name]}, declared {want}")
+        if bad:
+            raise FailedPrecondition(f"publication {self.pub_id} of {self.key[:12]}: " + "; ".join(bad))
+
+    def _install(self, manifest: Manifest) -> str:
+        from hwr_server.store import fsync_dir
+
+        # 3. Payloads into blobs/ (dropped when the blob exists); blobs/ fsynced so the
+        #    renames are durable before a manifest refers to them.
+        for i, f in enumerate(manifest.files):
+            self.store.install_blob(self.key, self._file_path(i), f.blob, f.size)
+        fsync_dir(self.store.blobs_dir)
+        self._failpoint("blobs-installed")
+        # 4. Manifest written and fsynced, then its directory (its entry must survive the rename).
+        text = manifest.to_json()
+        art = os.path.join(self.staging, "artifact")
+        path = os.path.join(art, "manifest.json")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+        try:
+            _pwrite_all(fd, text.encode("utf-8"), 0)
+            os.fsync(fd)  # manifest durable before the rename publishes it
+        finally:
+            os.close(fd)
+        fsync_dir(art)
+        self._failpoint("manifest-durable")
+        # 5. The publish point: rename into artifacts/ + fsync artifacts/ (in the store, under its lock).
+        self.store.publish_dir(self.key, art, manifest)
+        self._failpoint("published")
+        return text
+
+    def _failpoint(self, step: str) -> None:
+        hook = getattr(self.store, "failpoint", None)
+        if hook is not None:
+            hook(step)
+
+    # -- teardown ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Ends the attempt: stops hashers, closes files, removes staging and
+        releases the claim. Idempotent; counts a failure if not committed."""
+        for s in self._stages:
+            s.error = s.error or InvalidArgument("aborted")  # skip the queued chunks
+            try:
+                s.finish()
+            except BaseException:  # noqa: BLE001 - the attempt is over; its error was reported
+                pass
+        self._stages = []
+        self._fsync_pool.shutdown(wait=True)
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        if self.staging:
+            # After a commit only emptied directories remain; otherwise this drops the payload.
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self.staging = ""
+        if self._claimed:
+            self.store.release_claim(self.key, self.pub_id)
+            self._claimed = False
+        if self._slot:
+            self.store.publication_slots.release()
+            self._slot = False
+        if not self._done and not getattr(self, "_counted", False) and not self.already_published:
+            self._counted = True
+            self.store.count("failed", nbytes=0, seconds=time.monotonic() - self.started)
+            log.info("publication %s of %s ended without commit; staging removed", self.pub_id, self.key[:12])
+
+
+def _declared_tensors(msg: pb.PublishPlan) -> dict[str, str]:
+    out = {}
+    for f in msg.files:
+        for t in f.tensors:
+            if t.declared_sha256:
+                if len(t.declared_sha256) != 64 or any(c not in _HEX64 for c in t.declared_sha256):
+                    raise InvalidArgument(f"publication plan: tensor {t.name!r} declared_sha256 must be 64 lowercase hex")
+                out[t.name] = t.declared_sha256
+    return out
+

@@ -1,0 +1,166 @@
+"""Startup recovery of the store (DESIGN §4), run before the daemon serves.
+
+1. Staging leftovers are removed: nothing in staging/ was ever visible, so an
+   interrupted publication (crash, SIGKILL, power loss) simply disappears.
+2. Every artifacts/<key>/ gets the cheap checks: manifest present and valid,
+   key matches the directory, each blob present with the manifest's size and
+   a safetensors header that parses and describes the manifest's tensors.
+   An artifact that fails is quarantined (its bytes are kept for inspection).
+   The deep check (re-hashing) is `hwr verify`, not startup.
+3. Blobs that no manifest references (a publication killed between moving
+   its payload into blobs/ and renaming its manifest into place) are removed.
+4. The in-memory index is rebuilt from the manifests that passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from typing import Any
+
+from hwr_client.errors import HwrError
+from hwr_client.identity import is_key
+from hwr_client.layout import parse_header
+from hwr_client.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryReport:
+    """What startup recovery did."""
+
+    artifacts: int  # published after recovery
+    quarantined: int  # newly quarantined now
+    staging_removed: int
+    orphan_blobs_removed: int
+    seconds: float
+    problems: tuple[str, ...] = ()
+
+
+def check_artifact(store: Any, key: str) -> tuple[Manifest | None, str, str]:
+    """Cheap checks of one artifact directory.
+
+    Returns:
+        (manifest or None, reason slug, problem text); reason is "" when ok.
+    """
+    path = os.path.join(store.artifact_dir(key), "manifest.json")
+    what = f"artifact {key[:12]} manifest"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None, "manifest-missing", f"{what}: missing at {path}"
+    try:
+        manifest = Manifest.from_json(raw, what=what)
+    except HwrError as exc:
+        return None, "manifest-invalid", str(exc)
+    if manifest.key != key:
+        return None, "manifest-invalid", f"{what}: describes key {manifest.key[:12]}, stored under {key[:12]}"
+    for f in manifest.files:
+        reason, problem = _check_blob(store, manifest, f)
+        if reason:
+            return manifest, reason, problem
+    return manifest, "", ""
+
+
+def _check_blob(store: Any, manifest: Manifest, f: Any) -> tuple[str, str]:
+    what = f"artifact {manifest.key[:12]} file {f.index} (blob {f.blob[:12]})"
+    path = store.blob_path(f.blob)
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return "blob-missing", f"{what}: blob missing at {path}"
+    if size != f.size:
+        return "blob-size", f"{what}: blob size {size}, expected {f.size}"
+    try:
+        with open(path, "rb") as fh:
+            header = parse_header(fh, size, what=what)
+    except HwrError as exc:
+        return "blob-header", str(exc)
+    expect = sorted((t.name, t.dtype, tuple(t.shape), t.offset) for t in manifest.tensors if t.file == f.index)
+    got = sorted((e.name, e.dtype, tuple(e.shape), header.data_start + e.begin) for e in header.tensors())
+    if header.data_start != f.data_start or got != expect:
+        return "blob-header", f"{what}: safetensors header does not describe the manifest's tensors"
+    return "", ""
+
+
+def _remove_staging(store: Any) -> int:
+    names = os.listdir(store.staging_dir)
+    for name in names:
+        path = os.path.join(store.staging_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    if names:
+        log.info("recovery: removed %d staging leftover(s)", len(names))
+    return len(names)
+
+
+def _check_all(store: Any) -> tuple[dict[str, Manifest], list[str]]:
+    good: dict[str, Manifest] = {}
+    bad: list[tuple[str, Manifest | None, str]] = []
+    problems: list[str] = []
+    for name in sorted(os.listdir(store.artifacts_dir)):
+        if not is_key(name) or not os.path.isdir(store.artifact_dir(name)):
+            problems.append(f"artifacts/{name}: not an identity-key directory; quarantined")
+            _quarantine_path(store, name, "unknown-entry")
+            continue
+        manifest, reason, problem = check_artifact(store, name)
+        if reason:
+            problems.append(problem)
+            log.warning("recovery: %s; quarantining", problem)
+            bad.append((name, manifest, reason))
+        else:
+            good[name] = manifest
+    # Quarantine only once the good set is known, so blobs that a quarantined
+    # artifact shares with a good one stay in blobs/.
+    store.load_index(good)
+    for name, manifest, reason in bad:
+        corrupt = tuple(f.blob for f in manifest.files if _check_blob(store, manifest, f)[0]) if manifest else ()
+        store.quarantine(name, reason, bad_blobs=corrupt, manifest=manifest)
+    return good, problems
+
+
+def _quarantine_path(store: Any, name: str, reason: str) -> None:
+    dest = os.path.join(store.quarantine_dir, f"{name.replace('.', '_')}.{reason}.{int(time.time())}")
+    os.makedirs(dest, exist_ok=True)
+    os.rename(store.artifact_dir(name), os.path.join(dest, "artifact"))
+
+
+def _remove_orphans(store: Any, good: dict[str, Manifest]) -> int:
+    referenced = {f.blob for m in good.values() for f in m.files}
+    removed = 0
+    for name in os.listdir(store.blobs_dir):
+        if name not in referenced:
+            # Nothing references it and nothing is publishing yet: no reader can need it.
+            os.unlink(store.blob_path(name))
+            removed += 1
+    if removed:
+        log.info("recovery: removed %d unreferenced blob(s)", removed)
+    return removed
+
+
+def recover(store: Any) -> RecoveryReport:
+    """Runs startup recovery on ``store`` and installs the rebuilt index.
+
+    Returns:
+        A RecoveryReport with the counts.
+    """
+    t0 = time.monotonic()
+    staging = _remove_staging(store)
+    good, problems = _check_all(store)
+    # Corrupt blobs of quarantined artifacts were moved with them; what is left
+    # unreferenced is garbage from interrupted publications.
+    orphans = _remove_orphans(store, good)
+    store.load_index(good)
+    report = RecoveryReport(len(good), len(problems), staging, orphans, time.monotonic() - t0, tuple(problems))
+    log.info(
+        "recovery: %d artifact(s) published, %d quarantined, %d staging removed, %d orphan blob(s) removed in %.3f s",
+        report.artifacts, report.quarantined, report.staging_removed, report.orphan_blobs_removed, report.seconds,
+    )
+    return report

@@ -1,0 +1,191 @@
+"""gRPC handlers of the store: Publish, Lookup, ReportCorruption (runtime) and
+ListArtifacts, InspectArtifact, VerifyArtifact, DeleteArtifact (admin).
+
+Each handler parses the request, calls the store or a publication, and builds
+the reply; errors are :mod:`hwr_client.errors` classes that the servicer
+translates to status codes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import grpc
+
+from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from hwr_client.identity import check_key
+from hwr_server.publication import Publication
+
+log = logging.getLogger(__name__)
+
+
+def _store(daemon: Any) -> Any:
+    store = getattr(daemon, "store", None)
+    if store is None:
+        raise Unavailable("store: not initialized yet; retry when the daemon reports SERVING")
+    return store
+
+
+def _leases(daemon: Any) -> Any:
+    return getattr(daemon, "leases", None)
+
+
+# -- runtime ------------------------------------------------------------------
+
+
+def publish(daemon: Any, requests: Iterator[pb.PublishRequest], context: grpc.ServicerContext) -> Iterator[pb.PublishEvent]:
+    """Publish: plan → accepted → chunks → commit → committed.
+
+    Raises:
+        InvalidArgument: no plan first, bad plan, bad chunk, stream ended early.
+        Aborted / ResourceExhausted / FailedPrecondition: see Publication.
+    """
+    store = _store(daemon)
+    first = next(requests, None)
+    if first is None or first.WhichOneof("kind") != "plan":
+        raise InvalidArgument("publish: the first message must be a plan")
+    pub = Publication.begin(store, first.plan, is_active=context.is_active)
+    try:
+        yield pb.PublishEvent(accepted=pub.accepted())
+        for req in requests:
+            kind = req.WhichOneof("kind")
+            if kind == "chunk":
+                c = req.chunk
+                pub.write(c.file_index, c.offset, c.data)
+            elif kind == "commit":
+                done = pub.commit()
+                yield pb.PublishEvent(
+                    committed=pb.PublishCommitted(
+                        key=done.key, manifest_json=done.manifest_json, bytes_written=done.bytes_written,
+                        already_published=done.already_published,
+                    )
+                )
+                return
+            else:
+                raise InvalidArgument(f"publish {pub.pub_id}: unexpected {kind or 'empty'} message after the plan")
+        raise InvalidArgument(f"publish {pub.pub_id}: the stream ended without a commit; nothing was published")
+    finally:
+        # Runs on success, error, client cancel and generator close: staging never outlives the call.
+        pub.close()
+
+
+def lookup(daemon: Any, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
+    return pb.LookupReply(manifest_json=_store(daemon).manifest_json(check_key(request.key)))
+
+
+def report_corruption(daemon: Any, request: pb.ReportCorruptionRequest, context: grpc.ServicerContext
+                      ) -> pb.ReportCorruptionReply:
+    """Re-verifies on the daemon's own; quarantines only if it agrees."""
+    store = _store(daemon)
+    key = check_key(request.key)
+    log.warning("client reports corruption of %s: %s", key[:12], request.detail[:200])
+    result = store.verify(key)
+    if result.ok:
+        return pb.ReportCorruptionReply(quarantined=False, problems=[])
+    store.quarantine(key, "reported-corrupt", bad_blobs=result.bad_blobs)
+    return pb.ReportCorruptionReply(quarantined=True, problems=list(result.problems))
+
+
+# -- admin --------------------------------------------------------------------
+
+
+def _summary_proto(daemon: Any, s: Any) -> pb.ArtifactSummary:
+    leases = _leases(daemon)
+    count, last = 0, 0
+    if leases is not None and s.state == "published":
+        count = len(leases.holders(s.key))
+        last = int(leases.last_leased(s.key)) if hasattr(leases, "last_leased") else 0
+    return pb.ArtifactSummary(
+        key=s.key, state=s.state, contract_name=s.contract_name, contract_version=s.contract_version,
+        producer_id=s.producer_id, producer_version=s.producer_version, size_bytes=s.size_bytes,
+        file_count=s.file_count, tensor_count=s.tensor_count, block_count=s.block_count, created_unix=s.created_unix,
+        lease_count=count, last_leased_unix=last, reason=s.reason,
+    )
+
+
+def list_artifacts(daemon: Any, request: pb.ListArtifactsRequest, context: grpc.ServicerContext
+                   ) -> pb.ListArtifactsReply:
+    return pb.ListArtifactsReply(artifacts=[_summary_proto(daemon, s) for s in _store(daemon).summaries()])
+
+
+def _lease_proto(info: Any, key: str) -> pb.LeaseInfo:
+    return pb.LeaseInfo(
+        lease_id_prefix=str(getattr(info, "lease_id_prefix", getattr(info, "lease_id", "")))[:8], key=key,
+        pid=int(getattr(info, "pid", 0)), client_name=str(getattr(info, "client_name", "")),
+        acquired_unix=int(getattr(info, "acquired_unix", 0)), state=str(getattr(info, "state", "attached")),
+    )
+
+
+def inspect(daemon: Any, request: pb.InspectArtifactRequest, context: grpc.ServicerContext
+            ) -> pb.InspectArtifactReply:
+    """Summary, stored manifest and lease holders of one artifact (published
+    or quarantined)."""
+    store = _store(daemon)
+    key = check_key(request.key)
+    q = store.quarantined(key)
+    if store.contains(key) or q is None:
+        manifest, _ = store.get(key)  # NotFound when neither published nor quarantined
+        from hwr_server.store import summary_of
+
+        leases = _leases(daemon)
+        holders = list(leases.holders(key)) if leases is not None else []
+        return pb.InspectArtifactReply(
+            summary=_summary_proto(daemon, summary_of(manifest)), manifest_json=store.manifest_json(key),
+            leases=[_lease_proto(h, key) for h in holders],
+        )
+    return pb.InspectArtifactReply(summary=_summary_proto(daemon, q), manifest_json="")
+
+
+def verify(daemon: Any, request: pb.VerifyArtifactRequest, context: grpc.ServicerContext) -> pb.VerifyArtifactReply:
+    """Deep verification of one key or all; corrupt artifacts are quarantined
+    and the call answers DATA_LOSS listing every problem.
+
+    Raises:
+        InvalidArgument: neither a key nor all. DataLoss: corruption found.
+    """
+    store = _store(daemon)
+    if request.all == bool(request.key):
+        raise InvalidArgument("verify: give exactly one of a key or all=true")
+    keys = store.keys() if request.all else [check_key(request.key)]
+    results, problems = [], []
+    for key in keys:
+        try:
+            r = store.verify(key)
+        except NotFound:
+            if request.all:
+                continue  # deleted while we verified the others
+            raise
+        quarantined = False
+        if not r.ok:
+            store.quarantine(key, "verify-failed", bad_blobs=r.bad_blobs)
+            quarantined = True
+            problems.extend(r.problems)
+        results.append(pb.VerifyResult(key=key, ok=r.ok, problems=list(r.problems), quarantined=quarantined,
+                                       bytes_checked=r.bytes_checked))
+    if problems:
+        bad = [r.key[:12] for r in results if not r.ok]
+        raise DataLoss(f"verify: {len(bad)} corrupt artifact(s) quarantined ({', '.join(bad)}): " + "; ".join(problems))
+    return pb.VerifyArtifactReply(results=results)
+
+
+def delete(daemon: Any, request: pb.DeleteArtifactRequest, context: grpc.ServicerContext) -> pb.DeleteArtifactReply:
+    """Deletes an artifact unless leased (or force).
+
+    Raises:
+        NotFound: unknown key. FailedPrecondition: leased and not force.
+    """
+    store = _store(daemon)
+    key = check_key(request.key)
+    leases = _leases(daemon)
+    if leases is not None and not request.force:
+        holders = list(leases.holders(key))
+        if holders:
+            names = ", ".join(
+                f"pid {getattr(h, 'pid', '?')} since {int(getattr(h, 'acquired_unix', 0))}" for h in holders
+            )
+            raise FailedPrecondition(
+                f"artifact {key[:12]}: leased by {names}; stop those workers or use `hwr rm --force`"
+            )
+    return pb.DeleteArtifactReply(bytes_freed=store.delete(key))

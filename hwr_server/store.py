@@ -1,0 +1,523 @@
+"""The content-addressed store (DESIGN §4): layout under the root, the
+in-memory index rebuilt from manifests, and the operations on published
+artifacts (get, list, quarantine, deep verify, delete, usage).
+
+Layout::
+
+    <root>/blobs/sha256/<hex>               payload files, 0444, named by their SHA-256
+    <root>/artifacts/<key>/manifest.json    published artifacts, 0444
+    <root>/staging/<publication-id>/        work in progress (never visible)
+    <root>/quarantine/<key>.<reason>.<ts>/  artifacts that failed verification
+
+Writing new artifacts is :mod:`hwr_server.publication`; startup recovery is
+:mod:`hwr_server.recovery`. This module owns the index and every rename that
+changes what is visible; one lock (``_lock``) serializes those changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from typing import Callable
+
+from hwr_client.errors import FailedPrecondition, NotFound, ResourceExhausted
+from hwr_client.identity import check_key
+from hwr_client.manifest import Manifest
+from hwr_server.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+#: Free space kept on the disk beyond a publication's own bytes.
+DISK_MARGIN_BYTES = 64 * 1024 * 1024
+_REASON = re.compile(r"[^a-z0-9-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactSummary:
+    """One row of ``hwr ls``: a published or quarantined artifact."""
+
+    key: str
+    state: str  # "published" | "quarantined"
+    contract_name: str = ""
+    contract_version: int = 0
+    producer_id: str = ""
+    producer_version: str = ""
+    size_bytes: int = 0
+    file_count: int = 0
+    tensor_count: int = 0
+    block_count: int = 0
+    created_unix: int = 0
+    reason: str = ""
+    entry: str = ""  # quarantine directory name, empty when published
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of a deep verification of one artifact."""
+
+    key: str
+    ok: bool
+    problems: tuple[str, ...]
+    bytes_checked: int
+    bad_blobs: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DirEntry:
+    """A staging or quarantine directory and the bytes it holds."""
+
+    name: str
+    bytes: int
+
+
+def dir_bytes(path: str) -> int:
+    """Sum of file sizes under ``path`` (0 when it vanished meanwhile)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so renames/creations of its entries survive a crash."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def summary_of(manifest: Manifest, state: str = "published", *, reason: str = "", entry: str = "") -> ArtifactSummary:
+    doc = manifest.identity.document
+    return ArtifactSummary(
+        manifest.key, state, doc["contract"]["name"], doc["contract"]["version"], doc["producer"]["id"],
+        doc["producer"]["version"], manifest.size_bytes, len(manifest.files), len(manifest.tensors),
+        len(manifest.blocks), manifest.created_unix, reason, entry,
+    )
+
+
+class Store:
+    """The store under ``config.root``. Thread-safe.
+
+    Args:
+        config: resolved daemon configuration (``root``, ``capacity``,
+            ``max_publications``, ``hash_threads`` are used here).
+    """
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.root = os.path.abspath(config.root)
+        self.blobs_dir = os.path.join(self.root, "blobs", "sha256")
+        self.artifacts_dir = os.path.join(self.root, "artifacts")
+        self.staging_dir = os.path.join(self.root, "staging")
+        self.quarantine_dir = os.path.join(self.root, "quarantine")
+        for d in (self.blobs_dir, self.artifacts_dir, self.staging_dir, self.quarantine_dir):
+            os.makedirs(d, mode=0o755, exist_ok=True)
+        #: callable(nbytes) run at publication plan; raises ResourceExhausted.
+        #: The GC replaces it with one that collects first.
+        self.capacity_hook: Callable[[int], None] = self.default_capacity_hook
+        self._lock = threading.RLock()
+        self._index: dict[str, Manifest] = {}
+        self._quarantined: dict[str, ArtifactSummary] = {}
+        self._publishing: dict[str, str] = {}  # key -> publication id (single flight)
+        self._pending_blobs: dict[str, set[str]] = {}  # key -> blobs installed, manifest not yet visible
+        self._bad_blobs: set[str] = set()  # blobs a verification found corrupt
+        self.publication_slots = threading.BoundedSemaphore(max(1, config.max_publications))
+        self._counters: dict[str, float] = {
+            f'hwr_publications_total{{outcome="{o}"}}': 0.0
+            for o in ("committed", "already_published", "conflict", "rejected", "failed")
+        }
+        self._counters.update(
+            {"hwr_publication_bytes_total": 0.0, "hwr_publication_seconds_total": 0.0, "hwr_verify_failures_total": 0.0}
+        )
+        self.last_recovery = None
+        #: Test seam: callable(step) run at each commit step of a publication.
+        self.failpoint: Callable[[str], None] | None = None
+
+    # -- paths ----------------------------------------------------------------
+
+    def blob_path(self, digest: str) -> str:
+        return os.path.join(self.blobs_dir, digest)
+
+    def artifact_dir(self, key: str) -> str:
+        return os.path.join(self.artifacts_dir, key)
+
+    def blob_paths(self, manifest: Manifest) -> list[str]:
+        return [self.blob_path(f.blob) for f in manifest.files]
+
+    # -- startup --------------------------------------------------------------
+
+    def recover(self):
+        """Startup recovery (see :mod:`hwr_server.recovery`); returns its report."""
+        from hwr_server.recovery import recover
+
+        self.last_recovery = recover(self)
+        return self.last_recovery
+
+    def load_index(self, manifests: dict[str, Manifest]) -> None:
+        """Replaces the index (recovery calls this after its checks)."""
+        with self._lock:
+            self._index = dict(manifests)
+            self._quarantined = {s.key: s for s in self._scan_quarantine()}
+
+    # -- reads ----------------------------------------------------------------
+
+    def get(self, key: str) -> tuple[Manifest, list[str]]:
+        """The manifest and blob paths of a published artifact.
+
+        Raises:
+            InvalidArgument: a malformed key.
+            NotFound: no artifact with that key.
+            FailedPrecondition: the artifact is quarantined.
+        """
+        check_key(key)
+        with self._lock:
+            manifest = self._index.get(key)
+            if manifest is None:
+                q = self._quarantined.get(key)
+                if q is not None:
+                    raise FailedPrecondition(
+                        f"artifact {key[:12]}: quarantined ({q.reason}) in quarantine/{q.entry}; "
+                        "publish it again or remove it with `hwr gc`"
+                    )
+                raise NotFound(f"artifact {key[:12]}: not in the store; expected a published identity key")
+        return manifest, self.blob_paths(manifest)
+
+    def manifest_json(self, key: str) -> str:
+        """The manifest.json text as stored (raises like :meth:`get`)."""
+        self.get(key)
+        with open(os.path.join(self.artifact_dir(key), MANIFEST), encoding="utf-8") as f:
+            return f.read()
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def keys(self) -> list[str]:
+        """Published keys, sorted."""
+        with self._lock:
+            return sorted(self._index)
+
+    def summaries(self) -> list[ArtifactSummary]:
+        """Published and quarantined artifacts, sorted by key."""
+        with self._lock:
+            rows = [summary_of(m) for m in self._index.values()]
+            rows += list(self._quarantined.values())
+        return sorted(rows, key=lambda s: (s.key, s.state))
+
+    def quarantined(self, key: str) -> ArtifactSummary | None:
+        with self._lock:
+            return self._quarantined.get(key)
+
+    def blob_refs(self) -> dict[str, set[str]]:
+        """blob hex -> keys referencing it (published plus in-flight commits)."""
+        refs: dict[str, set[str]] = {}
+        with self._lock:
+            for key, m in self._index.items():
+                for f in m.files:
+                    refs.setdefault(f.blob, set()).add(key)
+            for key, blobs in self._pending_blobs.items():
+                for b in blobs:
+                    refs.setdefault(b, set()).add(key)
+        return refs
+
+    def blob_entries(self) -> list[DirEntry]:
+        """Every file under blobs/sha256 (referenced or not) with its size."""
+        out = []
+        for name in sorted(os.listdir(self.blobs_dir)):
+            try:
+                out.append(DirEntry(name, os.lstat(self.blob_path(name)).st_size))
+            except FileNotFoundError:
+                pass
+        return out
+
+    def staging_entries(self) -> list[DirEntry]:
+        return [DirEntry(n, dir_bytes(os.path.join(self.staging_dir, n))) for n in sorted(os.listdir(self.staging_dir))]
+
+    def quarantine_entries(self) -> list[DirEntry]:
+        return [
+            DirEntry(n, dir_bytes(os.path.join(self.quarantine_dir, n))) for n in sorted(os.listdir(self.quarantine_dir))
+        ]
+
+    def usage_bytes(self) -> int:
+        """Bytes the store occupies: every blob, staging and quarantine entry."""
+        return (
+            sum(e.bytes for e in self.blob_entries())
+            + sum(e.bytes for e in self.staging_entries())
+            + sum(e.bytes for e in self.quarantine_entries())
+        )
+
+    # -- capacity -------------------------------------------------------------
+
+    def default_capacity_hook(self, nbytes: int) -> None:
+        """Refuses a publication of ``nbytes`` that would exceed
+        ``config.capacity`` or the disk's free space.
+
+        Raises:
+            ResourceExhausted: naming the figures and the fix.
+        """
+        if self.config.capacity:
+            used = self.usage_bytes()
+            if used + nbytes > self.config.capacity:
+                raise ResourceExhausted(
+                    f"store {self.root}: publication of {nbytes} bytes needs {used + nbytes} bytes, capacity is "
+                    f"{self.config.capacity} ({used} used); run `hwr gc` or `hwr rm KEY`, or raise capacity"
+                )
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize
+        if nbytes + DISK_MARGIN_BYTES > free:
+            raise ResourceExhausted(
+                f"store {self.root}: publication of {nbytes} bytes does not fit the disk's {free} free bytes "
+                f"(keeping {DISK_MARGIN_BYTES} spare); free disk space or run `hwr gc`"
+            )
+
+    # -- publication support (used by hwr_server.publication) -----------------
+
+    def claim(self, key: str, pub_id: str) -> bool:
+        """Single flight: claims ``key`` for one publication.
+
+        Returns:
+            True when the artifact is already published (nothing claimed).
+
+        Raises:
+            Aborted: another publication of the key is in flight.
+        """
+        from hwr_client.errors import Aborted
+
+        with self._lock:
+            if key in self._index:
+                return True
+            holder = self._publishing.get(key)
+            if holder is not None:
+                self.count("conflict")
+                raise Aborted(
+                    f"artifact {key[:12]}: publication {holder} of the same identity is in flight; "
+                    "wait for it and look the key up, or retry"
+                )
+            self._publishing[key] = pub_id
+            return False
+
+    def release_claim(self, key: str, pub_id: str) -> None:
+        with self._lock:
+            if self._publishing.get(key) == pub_id:
+                del self._publishing[key]
+            self._pending_blobs.pop(key, None)
+
+    def install_blob(self, key: str, staged: str, digest: str, size: int) -> bool:
+        """Moves a finished, fsynced staging file to blobs/ (or drops it when
+        an intact blob of that digest exists). Returns True if moved."""
+        dest = self.blob_path(digest)
+        with self._lock:
+            self._pending_blobs.setdefault(key, set()).add(digest)
+            try:
+                existing = os.lstat(dest).st_size
+            except FileNotFoundError:
+                existing = None
+            if existing == size and digest not in self._bad_blobs:
+                os.unlink(staged)
+                return False
+            os.chmod(staged, 0o444)
+            # rename is atomic: readers see the old blob or the whole new one.
+            os.rename(staged, dest)
+            self._bad_blobs.discard(digest)
+            return True
+
+    def publish_dir(self, key: str, staged_dir: str, manifest: Manifest) -> None:
+        """The publish point: renames a staged artifact directory (manifest
+        already fsynced) into artifacts/ and fsyncs artifacts/."""
+        with self._lock:
+            # rename is atomic: the artifact appears whole or not at all.
+            os.rename(staged_dir, self.artifact_dir(key))
+            # Without this fsync a crash could forget the rename after we replied.
+            fsync_dir(self.artifacts_dir)
+            self._index[key] = manifest
+            self._quarantined.pop(key, None)
+            self._pending_blobs.pop(key, None)
+
+    def new_staging(self, pub_id: str) -> str:
+        """Creates the staging directory of publication ``pub_id``; returns its path."""
+        _check_entry(pub_id)
+        path = os.path.join(self.staging_dir, pub_id)
+        os.mkdir(path, 0o700)
+        return path
+
+    def remove_staging(self, name: str) -> None:
+        """Removes one staging directory (GC and aborted publications)."""
+        _check_entry(name)
+        shutil.rmtree(os.path.join(self.staging_dir, name), ignore_errors=True)
+
+    def remove_quarantine(self, name: str) -> None:
+        """Removes one quarantine directory and forgets it."""
+        _check_entry(name)
+        shutil.rmtree(os.path.join(self.quarantine_dir, name), ignore_errors=True)
+        with self._lock:
+            self._quarantined = {k: v for k, v in self._quarantined.items() if v.entry != name}
+
+    def count(self, outcome: str, *, nbytes: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            self._counters[f'hwr_publications_total{{outcome="{outcome}"}}'] += 1
+            self._counters["hwr_publication_bytes_total"] += nbytes
+            self._counters["hwr_publication_seconds_total"] += seconds
+
+    # -- verify, quarantine, delete -------------------------------------------
+
+    def verify(self, key: str) -> VerifyResult:
+        """Deep verification: re-hashes every file, tensor and block and
+        parses every header; lists EVERY mismatch. Quarantines nothing
+        (callers decide); remembers corrupt blobs so no publication reuses them.
+
+        Raises:
+            NotFound / FailedPrecondition: as :meth:`get`.
+        """
+        manifest, paths = self.get(key)
+        from hwr_server.publication import verify_artifact
+
+        problems, bad, checked = verify_artifact(manifest, paths, threads=self._threads())
+        with self._lock:
+            self._bad_blobs.update(bad)
+            if problems:
+                self._counters["hwr_verify_failures_total"] += 1
+        return VerifyResult(key, not problems, tuple(problems), checked, tuple(bad))
+
+    def _threads(self) -> int:
+        return self.config.hash_threads or os.cpu_count() or 1
+
+    def quarantine(self, key: str, reason: str, *, bad_blobs: tuple[str, ...] = (),
+                   manifest: Manifest | None = None) -> str:
+        """Moves a published artifact to quarantine/<key>.<reason>.<ts>/,
+        together with its corrupt blobs and the blobs no other artifact uses.
+
+        Args:
+            manifest: the artifact's manifest when it is not in the index
+                (recovery), so its exclusive blobs move along.
+
+        Returns:
+            The quarantine entry name.
+
+        Raises:
+            NotFound: the key is not published.
+        """
+        slug = _REASON.sub("-", reason.lower()).strip("-")[:40] or "unknown"
+        with self._lock:
+            manifest = self._index.get(key) or manifest
+            src = self.artifact_dir(key)
+            if manifest is None and not os.path.isdir(src):
+                raise NotFound(f"artifact {key[:12]}: not published, nothing to quarantine")
+            name, dest = self._quarantine_name(key, slug)
+            os.mkdir(dest, 0o700)
+            # rename first: the artifact stops being visible atomically.
+            os.rename(src, os.path.join(dest, "artifact"))
+            self._index.pop(key, None)
+            if manifest is not None:
+                self._move_blobs(manifest, key, dest, set(bad_blobs) | self._bad_blobs)
+            fsync_dir(self.artifacts_dir)  # the unpublish survives a crash
+            self._quarantined[key] = (
+                summary_of(manifest, "quarantined", reason=slug, entry=name)
+                if manifest is not None else ArtifactSummary(key, "quarantined", reason=slug, entry=name)
+            )
+        log.warning("artifact %s quarantined: %s (quarantine/%s)", key[:12], reason, name)
+        return name
+
+    def _quarantine_name(self, key: str, slug: str) -> tuple[str, str]:
+        ts = int(time.time())
+        for n in range(1000):
+            name = f"{key}.{slug}.{ts}" + (f"-{n}" if n else "")
+            dest = os.path.join(self.quarantine_dir, name)
+            if not os.path.exists(dest):
+                return name, dest
+        raise ResourceExhausted(f"quarantine: too many entries for {key[:12]} at {ts}")
+
+    def _move_blobs(self, manifest: Manifest, key: str, dest: str, bad: set[str]) -> None:
+        others = {b for k, m in self._index.items() if k != key for b in (f.blob for f in m.files)}
+        others |= {b for blobs in self._pending_blobs.values() for b in blobs}
+        os.makedirs(os.path.join(dest, "blobs"), exist_ok=True)
+        for f in manifest.files:
+            if f.blob in bad or f.blob not in others:
+                try:
+                    os.rename(self.blob_path(f.blob), os.path.join(dest, "blobs", f.blob))
+                except FileNotFoundError:
+                    pass
+
+    def delete(self, key: str) -> int:
+        """Unpublishes an artifact and unlinks its blobs that no other
+        artifact uses. Never truncates: mapped readers keep valid bytes.
+        No lease check here (callers check leases).
+
+        Returns:
+            Bytes freed.
+
+        Raises:
+            NotFound: the key is not published.
+        """
+        check_key(key)
+        with self._lock:
+            manifest = self._index.get(key)
+            if manifest is None:
+                raise NotFound(f"artifact {key[:12]}: not published; `hwr ls` lists the keys")
+            trash = os.path.join(self.staging_dir, f"delete-{key[:16]}-{uuid.uuid4().hex[:8]}")
+            # rename first: the artifact disappears atomically, then its files go.
+            os.rename(self.artifact_dir(key), trash)
+            fsync_dir(self.artifacts_dir)  # the unpublish survives a crash
+            del self._index[key]
+            refs = self.blob_refs()
+            freed = dir_bytes(trash)
+            for f in manifest.files:
+                if f.blob not in refs:
+                    try:
+                        freed += os.lstat(self.blob_path(f.blob)).st_size
+                        os.unlink(self.blob_path(f.blob))
+                    except FileNotFoundError:
+                        pass
+        shutil.rmtree(trash, ignore_errors=True)
+        log.info("artifact %s deleted, %d bytes freed", key[:12], freed)
+        return freed
+
+    # -- quarantine listing ---------------------------------------------------
+
+    def _scan_quarantine(self) -> list[ArtifactSummary]:
+        out = []
+        for name in sorted(os.listdir(self.quarantine_dir)):
+            parts = name.split(".")
+            key, reason = parts[0], (parts[1] if len(parts) > 2 else "unknown")
+            try:
+                with open(os.path.join(self.quarantine_dir, name, "artifact", MANIFEST), "rb") as f:
+                    m = Manifest.from_json(f.read())
+                out.append(summary_of(m, "quarantined", reason=reason, entry=name))
+            except Exception:  # noqa: BLE001 - a corrupt manifest is why it is here
+                out.append(ArtifactSummary(key, "quarantined", reason=reason, entry=name))
+        return out
+
+    # -- stats ----------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Figures for GetStats / Prometheus (names in the team brief)."""
+        with self._lock:
+            published = sum(m.size_bytes for m in self._index.values())
+            out = dict(self._counters)
+            out['hwr_artifacts{state="published"}'] = float(len(self._index))
+            out['hwr_artifacts{state="quarantined"}'] = float(len(self._quarantined))
+        out['hwr_store_bytes{state="published"}'] = float(published)
+        out['hwr_store_bytes{state="quarantined"}'] = float(sum(e.bytes for e in self.quarantine_entries()))
+        out['hwr_store_bytes{state="staging"}'] = float(sum(e.bytes for e in self.staging_entries()))
+        return out
+
+
+def _check_entry(name: str) -> None:
+    from hwr_client.errors import InvalidArgument
+
+    if not name or "/" in name or name in (".", "..") or "\x00" in name:
+        raise InvalidArgument(f"store entry {name!r}: expected a plain directory name")
+
+
+__all__ = ["ArtifactSummary", "DirEntry", "Store", "VerifyResult", "dir_bytes", "fsync_dir", "summary_of"]
