@@ -184,34 +184,33 @@ class Contract:
     def identity(self, checkpoint_dir: str, layout: Any = None, *, client: Any = None) -> Identity:
         """The identity of this contract's artifact for a checkpoint.
 
-        Uses ``hwr_client.build_identity`` (daemon-cached source digests) when
-        available, else hashes the source files locally; the key is the same.
+        With a ``client``, content ids come from the daemon's source-digest
+        cache (:func:`hwr_client.sources.build_identity`); without one the
+        files are hashed locally and nothing connects. The key is the same.
 
         Raises:
             InvalidArgument: bad layout or no checkpoint files.
         """
         layout = parse_layout(layout)
         files = self.source_files(checkpoint_dir)
-        try:
-            from hwr_client import build_identity  # type: ignore[attr-defined]
-        except ImportError:
-            build_identity = None
-        if build_identity is not None:
+        producer = {"id": f"dlo_runtime.contracts/{self.name}", "version": self.producer_version}
+        build_identity = None
+        if client is not None:
             try:
-                return build_identity(
-                    contract={"name": self.name, "version": self.version}, sources=files,
-                    representation=dict(self.representation), layout=layout,
-                    producer={"id": f"dlo_runtime.contracts/{self.name}", "version": self.producer_version},
-                    extra=self.extra(), client=client,
-                )
-            except TypeError:
-                log.debug("hwr_client.build_identity has another signature; hashing %s locally", checkpoint_dir)
+                from hwr_client.sources import build_identity
+            except ImportError:  # the source-digest client is not installed
+                build_identity = None
+        if build_identity is not None:
+            return build_identity(
+                contract={"name": self.name, "version": self.version}, sources=files,
+                representation=dict(self.representation), layout=layout, producer=producer,
+                extra=self.extra(), client=client,
+            )
         sources = [{"name": os.path.basename(p), "content_id": sha256_file(p)} for p in files]
         return Identity.from_dict({
             "contract": {"name": self.name, "version": self.version}, "sources": sources,
             "representation": dict(self.representation), "layout": layout,
-            "producer": {"id": f"dlo_runtime.contracts/{self.name}", "version": self.producer_version},
-            "extra": self.extra(),
+            "producer": producer, "extra": self.extra(),
         })
 
     def extra(self) -> dict[str, Any]:

@@ -1,0 +1,329 @@
+"""``hwr demo`` (the whole product on one command) and ``hwr prewarm``.
+
+``hwr demo`` starts a daemon on a temporary root (or uses a running one with
+``--socket``), writes a reference checkpoint, and runs real worker processes:
+
+1. an ordinary worker (HWR disabled, model resident): the reference output;
+2. worker 1, preferred mode: a miss, so CANONICAL_FALLBACK — canonical load,
+   DLO forward pass, then ``publish_after_load``;
+3. worker 2, preferred mode: LOCAL_HIT — restore from the lease, DLO forward;
+4. three warm workers at once (separate processes).
+
+Each row of the table reports startup seconds, the sum of PSS of the row's
+processes (read while all of them are alive), the bytes each materialized,
+the bytes copied into DLO device buffers, and whether its output equals the
+ordinary worker's bit for bit. The demo leaves nothing running and exits
+non-zero when any check fails.
+
+``hwr prewarm --contract NAME --checkpoint DIR`` produces and publishes the
+final-layout artifact without starting a worker, so ``required`` mode starts
+warm on a fresh node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Iterator
+
+from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
+from hwr_client.errors import InvalidArgument, NotFound
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+          "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3}
+
+
+def parse_size(text: str) -> int:
+    """``64MiB``, ``1GiB``, ``512m``, ``1048576`` -> bytes.
+
+    Raises:
+        InvalidArgument: not a size.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidArgument(f"size {text!r}: expected a number with an optional unit (KiB, MiB, GiB), e.g. 64MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser("demo", help="run the end-to-end demo: cold start, publish, warm starts, parity",
+                          description=__doc__.split("\n\n")[1])
+    demo.add_argument("--size", default="1GiB", help="canonical (fp32) checkpoint size (default 1GiB; e.g. 64MiB)")
+    demo.add_argument("--workers", type=int, default=3, help="warm workers started at once (default 3)")
+    demo.add_argument("--seed", type=int, default=0, help="checkpoint seed")
+    demo.add_argument("--workdir", help="directory for the checkpoint and store (default: a temp dir, removed)")
+    demo.add_argument("--device", default="cpu", help="DLO compute device (default cpu)")
+    add_socket_flags(demo)
+    add_json_flag(demo)
+    demo.set_defaults(func=run_demo)
+
+    pre = sub.add_parser("prewarm", help="publish a checkpoint's final-layout artifact without starting a worker")
+    pre.add_argument("--contract", required=True, help="final-layout contract name (e.g. tiny-dit)")
+    pre.add_argument("--checkpoint", required=True, help="canonical checkpoint directory")
+    pre.add_argument("--layout", help="parallel layout, e.g. tp_rank=0,tp_size=2,sp_size=1,sp_backend=none")
+    add_socket_flags(pre)
+    add_json_flag(pre)
+    pre.set_defaults(func=run_prewarm)
+
+
+# -- prewarm ---------------------------------------------------------------------
+
+
+def run_prewarm(args: argparse.Namespace) -> int:
+    """Publishes the artifact of ``--checkpoint`` under ``--contract``."""
+    from dlo_runtime.contracts import get_contract
+
+    contract = get_contract(args.contract)
+    with client_from(args) as client:
+        identity = contract.identity(args.checkpoint, args.layout, client=client)
+        try:
+            manifest = client.lookup(identity.key)
+            result = {"key": identity.key, "outcome": "already_published", "bytes": manifest.size_bytes, "seconds": 0.0}
+        except NotFound:
+            t0 = time.perf_counter()
+            tensors = contract.produce(args.checkpoint)
+            report = client.publish(identity, tensors)
+            del tensors
+            result = {"key": identity.key, "outcome": str(getattr(report, "outcome", "committed")),
+                      "bytes": int(getattr(report, "bytes", 0) or getattr(report, "size_bytes", 0) or 0),
+                      "seconds": round(time.perf_counter() - t0, 3)}
+    if args.json:
+        print_json(result)
+    else:
+        print(f"{result['outcome']}: {result['key']} ({human(result['bytes'])}, {result['seconds']} s)")
+    return 0
+
+
+# -- demo plumbing -------------------------------------------------------------------
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _wait_serving(socket: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise InvalidArgument(f"demo daemon exited with {proc.returncode} before serving")
+        if os.path.exists(socket):
+            try:
+                with grpc.insecure_channel(f"unix:{socket}") as ch:
+                    reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.05)
+    raise InvalidArgument(f"demo daemon on {socket}: not serving after {timeout:.0f}s")
+
+
+@contextlib.contextmanager
+def _daemon(args: argparse.Namespace, workdir: str) -> Iterator[str]:
+    """Yields the runtime socket: the given one, or a daemon of our own that
+    is killed on exit (nothing is left running)."""
+    if args.socket:
+        yield args.socket
+        return
+    sockdir = tempfile.mkdtemp(prefix="hwr-demo-", dir="/tmp")  # socket paths must fit 108 bytes
+    sock, admin = os.path.join(sockdir, "hwr.sock"), os.path.join(sockdir, "admin.sock")
+    log_path = os.path.join(workdir, "daemon.log")
+    cmd = [sys.executable, "-m", "hwr_client.cli", "serve", "--root", os.path.join(workdir, "root"),
+           "--socket", sock, "--admin-socket", admin]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_serving(sock, proc)
+        args.admin_socket = admin
+        yield sock
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+class _Workers:
+    """Worker processes that print one JSON line and hold until released."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, checkpoint: str, mode: str, socket: str | None, *, device: str, offload: bool = True) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "dlo_runtime.worker", "--contract", "tiny-dit", "--checkpoint", checkpoint,
+               "--mode", mode, "--device", device, "--forward", "--hold"]
+        if socket:
+            cmd += ["--socket", socket]
+        if not offload:
+            cmd.append("--no-offload")
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        proc.t0 = time.perf_counter()  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def result(proc: subprocess.Popen) -> dict[str, Any]:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line:
+            proc.wait()
+            raise InvalidArgument(f"worker pid {proc.pid} exited with {proc.returncode} before reporting; see its stderr above")
+        out = json.loads(line)
+        out["wall_s"] = round(time.perf_counter() - proc.t0, 3)  # type: ignore[attr-defined]
+        return out
+
+    def group(self, checkpoint: str, mode: str, socket: str | None, n: int, **kw: Any) -> list[dict[str, Any]]:
+        """Starts ``n`` workers at once; returns their results with PSS read
+        while all of them are still alive; then releases them."""
+        from dlo_runtime.worker import pss_kib
+
+        procs = [self.spawn(checkpoint, mode, socket, **kw) for _ in range(n)]
+        results = [self.result(p) for p in procs]
+        for r, p in zip(results, procs):
+            r["pss_kib"] = pss_kib(p.pid)
+        for p in procs:
+            self.release(p)
+        return results
+
+    def release(self, proc: subprocess.Popen) -> None:
+        if proc.stdin:
+            proc.stdin.close()  # the worker exits when its stdin closes
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _baseline_pss() -> int:
+    """PSS (KiB) of a process that imported the worker stack but holds no model."""
+    code = "import dlo_runtime.worker as w, torch; print(w.pss_kib())"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def _row(path: str, results: list[dict[str, Any]], reference: str) -> dict[str, Any]:
+    return {
+        "path": path,
+        "outcome": ",".join(sorted({r["outcome"] for r in results})),
+        "startup_s": max(r["startup_s"] for r in results),
+        "wall_s": max(r["wall_s"] for r in results),
+        "pss_sum_kib": sum(r["pss_kib"] for r in results),
+        "bytes_materialized": sum(r["bytes_materialized"] for r in results),
+        "bytes_copied_to_device": sum(r["bytes_copied_to_device"] for r in results),
+        "producer_calls": sum(r["producer_calls"] for r in results),
+        "outputs_equal": all(r.get("output_sha256") == reference for r in results),
+        "transport": ",".join(sorted({r["transport"] for r in results})),
+        "publish": next((r["publish"] for r in results if r.get("publish")), None),
+    }
+
+
+def _checks(rows: dict[str, dict[str, Any]], *, own_daemon: bool) -> list[str]:
+    """What must hold; each failure is one line."""
+    fails = []
+    cold, warm, many = rows["cold"], rows["warm"], rows["warm_many"]
+    if own_daemon and cold["outcome"] != "CANONICAL_FALLBACK":
+        fails.append(f"worker 1: outcome {cold['outcome']}, expected CANONICAL_FALLBACK on an empty store")
+    if cold["outcome"] == "CANONICAL_FALLBACK" and not (cold["publish"] or {}).get("ok", True):
+        fails.append(f"worker 1: publish_after_load failed: {cold['publish']}")
+    for name, row in (("worker 2", warm), ("concurrent workers", many)):
+        if row["outcome"] != "LOCAL_HIT":
+            fails.append(f"{name}: outcome {row['outcome']}, expected LOCAL_HIT")
+        if row["bytes_materialized"] or row["producer_calls"]:
+            fails.append(f"{name}: warm start materialized {row['bytes_materialized']} bytes with "
+                         f"{row['producer_calls']} producer calls, expected 0 and 0")
+    fails += [f"{r['path']}: output differs from the ordinary loader's" for r in rows.values() if not r["outputs_equal"]]
+    return fails
+
+
+def _print(rows: dict[str, dict[str, Any]], baseline_kib: int, size: int) -> None:
+    header = ["path", "outcome", "startup s", "sum PSS", "materialized", "copied to device", "outputs equal"]
+    table = [[r["path"], r["outcome"], f"{r['startup_s']:.3f}", human(r["pss_sum_kib"] * 1024),
+              human(r["bytes_materialized"]), human(r["bytes_copied_to_device"]), "yes" if r["outputs_equal"] else "NO"]
+             for r in rows.values()]
+    print_table(table, header)
+    ordinary, warm, many = rows["ordinary"], rows["warm"], rows["warm_many"]
+    print(f"\ncheckpoint {human(size)} fp32; baseline PSS of an idle worker process {human(baseline_kib * 1024)}")
+    if warm["startup_s"] > 0:
+        print(f"warm start {ordinary['startup_s'] / warm['startup_s']:.0f}x faster than ordinary loading")
+    if rows["cold"].get("publish"):
+        print(f"worker 1 published after serving in {rows['cold']['publish'].get('seconds', '?')} s")
+    n = many["n"]
+    extra = many["pss_sum_kib"] - n * baseline_kib
+    print(f"{n} warm workers: sum of PSS above baseline {human(extra * 1024)} "
+          f"(ordinary would hold ~{human(n * max(ordinary['pss_sum_kib'] - baseline_kib, 0) * 1024)})")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Runs the demo; returns 0 when every check passes, else 1."""
+    from dlo_runtime.models.tiny_dit import TinyDiTConfig, write_checkpoint
+
+    size = parse_size(args.size)
+    own_workdir = args.workdir is None
+    workdir = tempfile.mkdtemp(prefix="hwr-demo-") if own_workdir else os.path.abspath(args.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    workers = _Workers()
+    try:
+        cfg = TinyDiTConfig.for_size(size)
+        ckpt = os.path.join(workdir, f"tiny-dit-{args.seed}")
+        _say(f"[1/6] writing a {human(size)} reference checkpoint (hidden {cfg.hidden}, {cfg.depth} blocks) to {ckpt}")
+        write_checkpoint(ckpt, cfg, seed=args.seed,
+                         progress=lambda done, total: _say(f"      {100 * done // total:3d}%  {human(done)} / {human(total)}"))
+        with _daemon(args, workdir) as socket:
+            _say("[2/6] ordinary worker (HWR disabled, model resident): the reference output")
+            ordinary = workers.group(ckpt, "disabled", None, 1, device=args.device, offload=False)
+            reference = ordinary[0]["output_sha256"]
+            _say("[3/6] worker 1, preferred: canonical load, DLO forward, publish after serving")
+            cold = workers.group(ckpt, "preferred", socket, 1, device=args.device)
+            _say("[4/6] worker 2, preferred: warm start from the lease, DLO forward")
+            warm = workers.group(ckpt, "preferred", socket, 1, device=args.device)
+            _say(f"[5/6] {args.workers} warm workers at once")
+            many = workers.group(ckpt, "preferred", socket, args.workers, device=args.device)
+        _say("[6/6] baseline PSS of an idle worker process")
+        baseline = _baseline_pss()
+    finally:
+        workers.kill_all()
+        if own_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    rows = {
+        "ordinary": _row("ordinary load (no HWR)", ordinary, reference),
+        "cold": _row("worker 1: cold, publishes", cold, reference),
+        "warm": _row("worker 2: warm", warm, reference),
+        "warm_many": dict(_row(f"workers 3-{2 + args.workers}: warm, at once", many, reference), n=args.workers),
+    }
+    fails = _checks(rows, own_daemon=not args.socket)
+    if args.json:
+        print_json({"size": size, "baseline_pss_kib": baseline, "rows": rows, "failures": fails,
+                    "workers": {"ordinary": ordinary, "cold": cold, "warm": warm, "warm_many": many}})
+    else:
+        _print(rows, baseline, size)
+        print("\n" + ("ALL CHECKS PASSED" if not fails else "CHECKS FAILED:\n  " + "\n  ".join(fails)))
+    return 1 if fails else 0
