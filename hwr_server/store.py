@@ -503,7 +503,8 @@ class Store:
     def stats(self) -> dict[str, float]:
         """Figures for GetStats / Prometheus (names in the team brief)."""
         with self._lock:
-            published = sum(m.size_bytes for m in self._index.values())
+            # Unique blob bytes: identical files are stored once.
+            published = sum({f.blob: f.size for m in self._index.values() for f in m.files}.values())
             out = dict(self._counters)
             out['hwr_artifacts{state="published"}'] = float(len(self._index))
             out['hwr_artifacts{state="quarantined"}'] = float(len(self._quarantined))

@@ -1,0 +1,220 @@
+"""Publishing CPU tensors to the node daemon (DESIGN §5).
+
+One bidirectional stream: the plan goes first; the daemon answers with the
+layout (or "already published", or an error: conflict, capacity, bad plan)
+BEFORE any payload is sent; then the payload follows in messages of about
+4 MiB (small tensors and padding coalesced, large tensors sliced); then the
+commit. The request iterator is a generator that grpc pulls from its own
+thread, so at most a few messages are ever materialized: memory does not
+grow with the artifact.
+
+Unordered mode sends the same chunks in a shuffled order; it exists for
+producers that cannot write sequentially (the daemon then hashes by
+read-back, which costs a second pass over the bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import random
+import time
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import grpc
+import torch
+
+from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.errors import HwrError, Internal, InvalidArgument, from_rpc_error
+from hwr_client.identity import Identity
+from hwr_client.layout import TensorSpec
+from hwr_client.manifest import Manifest
+from hwr_client.plan import FILE_TARGET_BYTES, CheckedPlan, build_plan, check_plan, iter_payload, to_proto
+
+#: Target payload message size.
+MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishReport:
+    """What a publication did."""
+
+    key: str
+    manifest: Manifest
+    bytes_written: int  # payload bytes the daemon wrote (0 when already published)
+    already_published: bool
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """A coalesced payload message: file, data-region offset, byte pieces."""
+
+    file_index: int
+    offset: int
+    parts: tuple[memoryview, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def request(self) -> pb.PublishRequest:
+        data = bytes(self.parts[0]) if len(self.parts) == 1 else b"".join(self.parts)
+        return pb.PublishRequest(chunk=pb.PayloadChunk(file_index=self.file_index, offset=self.offset, data=data))
+
+
+def iter_pieces(checked: CheckedPlan, tensors: Mapping[str, torch.Tensor], message_bytes: int) -> Iterator[_Piece]:
+    """Payload of every file, in order, as messages of at most
+    ``message_bytes`` (views only; bytes are materialized when sent)."""
+    for fi, lay in enumerate(checked.layouts):
+        parts: list[memoryview] = []
+        start = size = 0
+        for off, data in iter_payload(lay, tensors, message_bytes):
+            if parts and size + len(data) > message_bytes:
+                yield _Piece(fi, start, tuple(parts))
+                parts, size = [], 0
+            if not parts:
+                start = off
+            parts.append(data)
+            size += len(data)
+        if parts:
+            yield _Piece(fi, start, tuple(parts))
+
+
+def _check_tensors(checked: CheckedPlan, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Fails before the stream opens on what would fail inside grpc's thread."""
+    for lay in checked.layouts:
+        for spec in lay.tensors:
+            t = tensors[spec.name]
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgument(f"tensor {spec.name!r}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.device.type != "cpu":
+                raise InvalidArgument(f"tensor {spec.name!r} on {t.device}: publication takes CPU tensors")
+            if TensorSpec.of(spec.name, t) != spec:
+                raise InvalidArgument(f"tensor {spec.name!r}: changed while publishing")
+
+
+def _check_layout(checked: CheckedPlan, accepted: pb.PublishAccepted) -> None:
+    if len(accepted.files) != len(checked.layouts):
+        raise Internal(f"publish {accepted.key[:12]}: daemon sent {len(accepted.files)} layouts for "
+                       f"{len(checked.layouts)} files")
+    for i, (lay, got) in enumerate(zip(checked.layouts, accepted.files)):
+        if got.data_size != lay.data_size or tuple(got.tensor_offsets) != lay.tensor_offsets:
+            raise Internal(f"publish {accepted.key[:12]}: file {i} layout differs between daemon and client "
+                           "(version mismatch?)")
+
+
+class _Requests:
+    """The request stream: plan, then (after ``accepted``) payload, then
+    commit. grpc pulls it from its own thread; ``start`` releases it."""
+
+    def __init__(self, plan: pb.PublishPlan, pieces: Callable[[], Iterator[_Piece]],
+                 progress: Callable[[int, int], None] | None, total: int):
+        self.plan = plan
+        self.pieces = pieces
+        self.progress = progress
+        self.total = total
+        self.sent = 0
+        self._go: queue.Queue = queue.Queue()
+
+    def start(self, send_payload: bool) -> None:
+        self._go.put(send_payload)
+
+    def stop(self) -> None:
+        self._go.put(None)  # the call ended: let a waiting generator finish
+
+    def __iter__(self) -> Iterator[pb.PublishRequest]:
+        yield pb.PublishRequest(plan=self.plan)
+        send = self._go.get()  # waits for the daemon's answer to the plan
+        if send is None:
+            return
+        if send:
+            for piece in self.pieces():
+                yield piece.request()
+                self.sent += piece.nbytes
+                if self.progress is not None:
+                    self.progress(self.sent, self.total)
+        yield pb.PublishRequest(commit=pb.PublishCommit())
+
+
+def publish(
+    client: Any,
+    identity: Identity | Mapping | str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    blocks: Sequence[Sequence[str]] | None = None,
+    ordered: bool = True,
+    file_target_bytes: int = FILE_TARGET_BYTES,
+    progress: Callable[[int, int], None] | None = None,
+    seed: int | None = None,
+) -> PublishReport:
+    """Publishes a mapping of CPU tensors as a final-layout artifact.
+
+    Args:
+        client: a connected :class:`hwr_client.Client`.
+        identity: Identity, its dict document or JSON text.
+        tensors: name -> CPU tensor.
+        blocks: name groups in execution order; None derives them from names
+            (``blocks.N.``, ``layers.N.``, ``transformer_blocks.N.``).
+        ordered: send strictly sequentially (fastest; the daemon hashes while
+            writing). False sends chunks shuffled (producers that cannot
+            write in order; the daemon hashes by read-back).
+        file_target_bytes: split block files at about this size.
+        progress: called with (bytes sent, total bytes) after each message.
+        seed: shuffle seed for unordered mode (None: random).
+
+    Returns:
+        PublishReport with the identity key and the stored manifest.
+
+    Raises:
+        InvalidArgument: bad tensors or plan. Aborted: the same key is being
+        published by someone else. ResourceExhausted: no space.
+        FailedPrecondition: a declared digest mismatched. Unavailable: no daemon.
+
+    Example:
+        >>> report = publish(client, identity, {"blocks.0.w": w})  # doctest: +SKIP
+        >>> report.key                                             # doctest: +SKIP
+    """
+    t0 = time.monotonic()
+    plan = build_plan(identity, tensors, blocks=blocks, ordered=ordered, file_target_bytes=file_target_bytes)
+    checked = check_plan(plan)
+    _check_tensors(checked, tensors)
+    reqs: _Requests | None = None
+
+    def pieces() -> Iterator[_Piece]:
+        size = min(MESSAGE_BYTES, accepted_max[0] or MESSAGE_BYTES)
+        if ordered:
+            return iter_pieces(checked, tensors, size)
+        # Descriptors only (views, no copies): shuffling costs no memory.
+        shuffled = list(iter_pieces(checked, tensors, size))
+        random.Random(seed).shuffle(shuffled)
+        return iter(shuffled)
+
+    accepted_max = [0]
+    reqs = _Requests(to_proto(plan), pieces, progress, checked.total_bytes)
+    try:
+        events = client.runtime.Publish(iter(reqs))
+        try:
+            first = next(events)
+            if first.WhichOneof("kind") != "accepted":
+                raise Internal("publish: the daemon's first answer was not `accepted`")
+            accepted = first.accepted
+            _check_layout(checked, accepted)
+            accepted_max[0] = int(accepted.max_chunk_bytes)
+            reqs.start(not accepted.already_published)
+            last = next(events)
+        except StopIteration:
+            raise Internal("publish: the daemon closed the stream without an answer") from None
+    except grpc.RpcError as err:
+        raise from_rpc_error(err) from None
+    finally:
+        reqs.stop()
+    done = last.committed
+    manifest = Manifest.from_json(done.manifest_json, what=f"artifact {done.key[:12]} manifest")
+    if done.key != plan.identity.key:
+        raise Internal(f"publish: daemon committed {done.key[:12]}, expected {plan.identity.key[:12]}")
+    return PublishReport(done.key, manifest, int(done.bytes_written), bool(done.already_published),
+                         time.monotonic() - t0)
+
+
+__all__ = ["MESSAGE_BYTES", "PublishReport", "publish", "HwrError"]
