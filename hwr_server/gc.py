@@ -415,7 +415,7 @@ class Collector:
         """Non-empty while GC must not run (the post-restart lease grace)."""
         if self.leases is None or not self.leases.in_grace():  # type: ignore[attr-defined]
             return ""
-        left = getattr(self.leases, "grace_remaining_s", None)
+        left = getattr(self.leases, "grace_left_s", None)
         if callable(left):
             return f"lease grace period after restart: {left():.0f} s left"
         return f"lease grace period after restart ({self.config.lease_grace_s:.0f} s)"  # type: ignore[attr-defined]
