@@ -1,0 +1,258 @@
+"""Resolve modes and startup outcomes (DESIGN §8), and publish-after-load.
+
+A worker resolves its identity once at start:
+
+=========  ===========================  ===========================  ==================================
+mode       hit                          miss / unusable / no daemon  identity or configuration error
+=========  ===========================  ===========================  ==================================
+disabled   (never touches HWR: CANONICAL_FALLBACK, no connect, no identity check, no root)
+preferred  LOCAL_HIT with a lease       CANONICAL_FALLBACK + reason  FAILED
+required   LOCAL_HIT with a lease       FAILED + how to populate     FAILED
+=========  ===========================  ===========================  ==================================
+
+"Unusable" is an artifact that is quarantined, damaged, or fails the
+lease-time verification. A non-retryable failure (InvalidArgument,
+PermissionDenied, an internal error) is FAILED in both modes: preferred never
+turns a broken identity or configuration into a silent miss.
+
+After a preferred-mode miss the worker loads canonically, serves, and calls
+:func:`publish_after_load` so the next start is a hit. It never raises into
+the serving path: every failure becomes a report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from hwr_client.errors import FailedPrecondition, HwrError, InvalidArgument, NotFound, Unavailable
+from hwr_client.identity import Identity
+
+log = logging.getLogger(__name__)
+
+
+class Mode(str, enum.Enum):
+    """How a worker uses HWR. Strings with these values are accepted too."""
+
+    DISABLED = "disabled"
+    PREFERRED = "preferred"
+    REQUIRED = "required"
+
+
+class Outcome(str, enum.Enum):
+    """Startup outcome; compares equal to its name (``"LOCAL_HIT"``)."""
+
+    LOCAL_HIT = "LOCAL_HIT"
+    CANONICAL_FALLBACK = "CANONICAL_FALLBACK"
+    FAILED = "FAILED"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+LOCAL_HIT = Outcome.LOCAL_HIT
+CANONICAL_FALLBACK = Outcome.CANONICAL_FALLBACK
+FAILED = Outcome.FAILED
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """What :func:`resolve` decided.
+
+    Attributes:
+        outcome: LOCAL_HIT, CANONICAL_FALLBACK or FAILED.
+        mode: the mode it was resolved in.
+        lease: the open Lease on LOCAL_HIT (the caller owns and closes it),
+            else None.
+        key: identity key ("" when disabled or the identity is invalid).
+        reason: one line for logs: why this outcome.
+        error: the HwrError behind a FAILED or a fallback, else None. On
+            FAILED, raise it (its message says what to do).
+    """
+
+    outcome: Outcome
+    mode: Mode
+    lease: Any = None
+    key: str = ""
+    reason: str = ""
+    error: HwrError | None = None
+
+    @property
+    def hit(self) -> bool:
+        return self.outcome is Outcome.LOCAL_HIT
+
+
+def parse_mode(mode: Mode | str) -> Mode:
+    """``Mode`` from an enum member or its string value.
+
+    Raises:
+        InvalidArgument: anything else.
+    """
+    try:
+        return Mode(mode.value if isinstance(mode, Mode) else mode)
+    except (ValueError, AttributeError):
+        raise InvalidArgument(
+            f"HWR mode {mode!r}: expected one of {', '.join(m.value for m in Mode)}"
+        ) from None
+
+
+def _populate_hint(key: str) -> str:
+    return (f"populate the store first: run the worker once with mode=preferred (it publishes after the "
+            f"canonical load), or `hwr prewarm ...` for this identity (key {key})")
+
+
+def _miss(mode: Mode, key: str, reason: str, error: HwrError) -> Resolution:
+    """A miss, an unusable artifact or an unreachable daemon."""
+    if mode is Mode.PREFERRED:
+        log.info("HWR resolve %s: %s; falling back to the canonical load", key[:12], reason)
+        return Resolution(Outcome.CANONICAL_FALLBACK, mode, key=key, reason=reason, error=error)
+    if isinstance(error, NotFound):
+        error = NotFound(f"HWR required: artifact {key[:12]} is not in the store; {_populate_hint(key)}")
+    elif isinstance(error, Unavailable):
+        error = Unavailable(f"HWR required: {reason}; start the daemon (`hwr serve`) or use mode=preferred")
+    else:
+        error = FailedPrecondition(f"HWR required: artifact {key[:12]} is unusable ({error}); "
+                                   f"{_populate_hint(key)} after `hwr verify {key}`")
+    log.error("HWR resolve %s failed: %s", key[:12], error)
+    return Resolution(Outcome.FAILED, mode, key=key, reason=reason, error=error)
+
+
+def resolve(client: Any, identity: Identity | Mapping | str, *, mode: Mode | str = Mode.PREFERRED,
+            verify: str = "none") -> Resolution:
+    """Resolves ``identity`` to a lease or a fallback decision.
+
+    Args:
+        client: a :class:`hwr_client.Client` (may be None when disabled).
+        identity: Identity, its dict document or JSON text.
+        mode: ``"disabled"``, ``"preferred"`` or ``"required"`` (or Mode).
+        verify: lease-time verification: ``"none"``, ``"fast"``, ``"full"``.
+
+    Returns:
+        A Resolution; see the module table. Never raises for a miss, an
+        unusable artifact or an unreachable daemon.
+
+    Raises:
+        InvalidArgument: ``mode`` is not a mode (a caller bug, not an
+            outcome).
+
+    Example:
+        >>> res = client.resolve(identity, mode="preferred")   # doctest: +SKIP
+        >>> if res.outcome == "LOCAL_HIT":                      # doctest: +SKIP
+        ...     weights = res.lease.tensors()
+    """
+    mode = parse_mode(mode)
+    if mode is Mode.DISABLED:
+        # Zero HWR interaction: no identity work, no connection, no root.
+        return Resolution(Outcome.CANONICAL_FALLBACK, mode, reason="HWR disabled")
+    try:
+        key = Identity.coerce(identity).key
+    except HwrError as exc:
+        return _failed(mode, "", f"invalid identity: {exc}", exc)
+    from hwr_client.lease import acquire
+
+    try:
+        lease = acquire(client, key, verify=verify)
+    except NotFound as exc:
+        return _miss(mode, key, f"artifact {key[:12]} not in the store", exc)
+    except FailedPrecondition as exc:
+        return _miss(mode, key, f"artifact {key[:12]} unusable: {exc}", exc)
+    except Unavailable as exc:
+        return _miss(mode, key, f"HWR daemon unreachable: {exc}", exc)
+    except HwrError as exc:
+        # InvalidArgument, PermissionDenied, Internal...: not a miss.
+        return _failed(mode, key, f"{type(exc).__name__}: {exc}", exc)
+    log.info("HWR resolve %s: LOCAL_HIT (lease %s…)", key[:12], lease.lease_id[:8])
+    return Resolution(Outcome.LOCAL_HIT, mode, lease=lease, key=key, reason="exact artifact in the store")
+
+
+def _failed(mode: Mode, key: str, reason: str, error: HwrError) -> Resolution:
+    log.error("HWR resolve %s failed (%s mode, not retryable): %s", key[:12] or "-", mode.value, reason)
+    return Resolution(Outcome.FAILED, mode, key=key, reason=reason, error=error)
+
+
+# -- publish after load ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishAfterLoadReport:
+    """What :func:`publish_after_load` did; it never raises.
+
+    Attributes:
+        ok: the artifact is in the store now (published or already there).
+        key: identity key ("" if the identity was invalid).
+        seconds: wall time of the attempt.
+        bytes_written: payload bytes the daemon wrote (0 if already there).
+        already_published: another worker published it first.
+        error: ``"<ErrorClass>: <message>"`` when not ok, else "".
+    """
+
+    ok: bool
+    key: str
+    seconds: float
+    bytes_written: int = 0
+    already_published: bool = False
+    error: str = ""
+
+
+def publish_after_load(client: Any, identity: Identity | Mapping | str, tensors: Mapping[str, Any], *,
+                       blocks: Sequence[Sequence[str]] | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> PublishAfterLoadReport:
+    """Publishes the runtime tensors after a preferred-mode canonical load.
+
+    Never raises into the caller: any failure (daemon gone, capacity,
+    conflict, a bug, even a failing ``progress`` callback) is logged and
+    returned in the report. The serving path must not depend on it.
+
+    Args:
+        client: a :class:`hwr_client.Client`.
+        identity: the same identity that missed.
+        tensors: name -> CPU tensor (final layout, as served).
+        blocks: name groups in execution order; None derives them.
+        progress: called with (bytes sent, total bytes) as the payload flows.
+
+    Returns:
+        A PublishAfterLoadReport.
+
+    Example:
+        >>> rep = client.publish_after_load(identity, model.state_dict())  # doctest: +SKIP
+        >>> rep.ok, rep.seconds                                             # doctest: +SKIP
+    """
+    t0 = time.monotonic()
+    key = ""
+    try:
+        key = Identity.coerce(identity).key
+        from hwr_client.publish import publish
+
+        report = publish(client, identity, tensors, blocks=blocks, progress=_guarded(progress, key))
+        seconds = time.monotonic() - t0
+        log.info("HWR publish-after-load %s: %s in %.2f s", key[:12],
+                 "already published" if report.already_published else f"{report.bytes_written} bytes", seconds)
+        return PublishAfterLoadReport(True, report.key, seconds, report.bytes_written, report.already_published)
+    except BaseException as exc:  # noqa: BLE001 - by contract this never raises into serving
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        seconds = time.monotonic() - t0
+        log.warning("HWR publish-after-load %s failed after %.2f s (the current process keeps serving): %s: %s",
+                    key[:12] or "-", seconds, type(exc).__name__, exc, exc_info=not isinstance(exc, HwrError))
+        return PublishAfterLoadReport(False, key, seconds, error=f"{type(exc).__name__}: {exc}")
+
+
+def _guarded(progress: Callable[[int, int], None] | None, key: str) -> Callable[[int, int], None] | None:
+    """A progress callback whose exceptions are logged once, not raised."""
+    if progress is None:
+        return None
+    failed = [False]
+
+    def call(sent: int, total: int) -> None:
+        if failed[0]:
+            return
+        try:
+            progress(sent, total)
+        except Exception:  # noqa: BLE001 - a bad callback must not fail the publication
+            failed[0] = True
+            log.warning("HWR publish-after-load %s: progress callback raised; ignoring it", key[:12], exc_info=True)
+
+    return call
