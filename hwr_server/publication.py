@@ -358,6 +358,7 @@ class Publication:
         self._done = False
         self._counted = False
         self._synced: set[int] = set()
+        self._moved: list[str] = []  # blobs this attempt moved into blobs/
         self._cur = 0  # ordered: current file and data-region position
         self._pos = 0
         self._fsyncs: list[Future] = []
@@ -609,7 +610,8 @@ class Publication:
         # 3. Payloads into blobs/ (dropped when the blob exists); blobs/ fsynced so the
         #    renames are durable before a manifest refers to them.
         for i, f in enumerate(manifest.files):
-            self.store.install_blob(self.key, self._file_path(i), f.blob, f.size)
+            if self.store.install_blob(self.key, self._file_path(i), f.blob, f.size):
+                self._moved.append(f.blob)
         fsync_dir(self.store.blobs_dir)
         self._failpoint("blobs-installed")
         # 4. Manifest written and fsynced, then its directory (its entry must survive the rename).
@@ -655,7 +657,7 @@ class Publication:
             shutil.rmtree(self.staging, ignore_errors=True)
             self.staging = ""
         if self._claimed:
-            self.store.release_claim(self.key, self.pub_id)
+            self.store.release_claim(self.key, self.pub_id, moved_blobs=tuple(self._moved))
             self._claimed = False
         if self._slot:
             self.store.publication_slots.release()

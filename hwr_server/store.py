@@ -34,7 +34,8 @@ from hwr_server.config import ServerConfig
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-#: Free space kept on the disk beyond a publication's own bytes.
+#: Free space kept on the disk beyond a publication's own bytes: 1% of the
+#: disk, at most this much.
 DISK_MARGIN_BYTES = 64 * 1024 * 1024
 _REASON = re.compile(r"[^a-z0-9-]+")
 
@@ -276,10 +277,11 @@ class Store:
                 )
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize
-        if nbytes + DISK_MARGIN_BYTES > free:
+        margin = min(DISK_MARGIN_BYTES, st.f_blocks * st.f_frsize // 100)
+        if nbytes + margin > free:
             raise ResourceExhausted(
                 f"store {self.root}: publication of {nbytes} bytes does not fit the disk's {free} free bytes "
-                f"(keeping {DISK_MARGIN_BYTES} spare); free disk space or run `hwr gc`"
+                f"(keeping {margin} spare); free disk space or run `hwr gc`"
             )
 
     # -- publication support (used by hwr_server.publication) -----------------
@@ -308,11 +310,23 @@ class Store:
             self._publishing[key] = pub_id
             return False
 
-    def release_claim(self, key: str, pub_id: str) -> None:
+    def release_claim(self, key: str, pub_id: str, *, moved_blobs: tuple[str, ...] = ()) -> None:
+        """Ends a publication's claim. ``moved_blobs``: blobs it moved into
+        blobs/ before failing; those no artifact references are unlinked so a
+        failed commit leaves no bytes behind."""
         with self._lock:
             if self._publishing.get(key) == pub_id:
                 del self._publishing[key]
             self._pending_blobs.pop(key, None)
+            if key in self._index:
+                return  # committed: the blobs are referenced
+            refs = self.blob_refs()
+            for digest in moved_blobs:
+                if digest not in refs:
+                    try:
+                        os.unlink(self.blob_path(digest))
+                    except FileNotFoundError:
+                        pass
 
     def install_blob(self, key: str, staged: str, digest: str, size: int) -> bool:
         """Moves a finished, fsynced staging file to blobs/ (or drops it when
