@@ -216,6 +216,17 @@ def hash_file(path: str) -> tuple[str, int]:
     return digest, nbytes
 
 
+def absolute_path(path: str | os.PathLike[str]) -> str:
+    """``path`` made absolute against the cwd; ``.`` and repeated slashes
+    are dropped, but ``..`` is kept when present: collapsing it lexically
+    (as ``os.path.abspath`` does) names another file when the component
+    before it is a symlink."""
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        text = os.path.join(os.getcwd(), text)
+    return text if ".." in text.split("/") else os.path.normpath(text)
+
+
 def content_id_of(hex_digest: str) -> str:
     return "sha256:" + hex_digest
 
@@ -268,7 +279,7 @@ def resolve_sources(client: Any, paths: Sequence[str | os.PathLike[str]], *, thr
         path that is missing, not a regular file, unreadable here, or changed
         while hashed.
     """
-    absolute = [os.path.abspath(os.fspath(p)) for p in paths]
+    absolute = [absolute_path(p) for p in paths]
     if client is None or not absolute:
         return hash_locally(absolute, threads=threads)
     try:
@@ -340,14 +351,14 @@ def canonical_sources(sources: SourcesArg) -> list[tuple[str, str]]:
         NotFound: a directory that does not exist.
     """
     if isinstance(sources, Mapping):
-        pairs = [(str(n), os.path.abspath(os.fspath(p))) for n, p in sources.items()]
+        pairs = [(str(n), absolute_path(p)) for n, p in sources.items()]
     elif isinstance(sources, (str, os.PathLike)):
-        path = os.path.abspath(os.fspath(sources))
+        path = absolute_path(sources)
         if os.path.isdir(path):
             return checkpoint_files(path)
         pairs = [(os.path.basename(path), path)]
     elif isinstance(sources, (list, tuple)):
-        paths = [os.path.abspath(os.fspath(p)) for p in sources]
+        paths = [absolute_path(p) for p in sources]
         if not paths:
             raise InvalidArgument("identity sources: expected at least one file")
         base = os.path.commonpath([os.path.dirname(p) for p in paths])

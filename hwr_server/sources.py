@@ -180,6 +180,12 @@ def hub_blob_digest(path: str) -> tuple[str, int] | None:
     return blob_hex, st.st_size
 
 
+def _key_path(path: str) -> str:
+    """The record key of an absolute path: normalized where that cannot
+    change which file is named (no ".." components)."""
+    return path if ".." in path.split("/") else os.path.normpath(path)
+
+
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
@@ -234,6 +240,7 @@ class SourceCache:
                 "hwr_source_cache_hits_total": float(self.hits),
                 "hwr_source_cache_misses_total": float(self.misses),
                 "hwr_source_hub_trusted_total": float(self.hub_hits),
+                "hwr_source_hash_calls_total": float(self.hash_calls),
                 "hwr_source_hashed_bytes_total": float(self.hashed_bytes),
                 "hwr_source_cache_errors_total": float(self.db_errors),
             }
@@ -277,7 +284,7 @@ class SourceCache:
         current state."""
         if not isinstance(path, str) or not os.path.isabs(path):
             raise InvalidArgument(f"source {path!r}: expected an absolute path")
-        norm = os.path.normpath(path)
+        norm = _key_path(path)
         if not self.roots:
             raise PermissionDenied(
                 f"source {path}: the daemon has no source roots; start it with --source-root DIR "
@@ -450,7 +457,7 @@ class SourceCache:
         """
         if not isinstance(path, str) or not os.path.isabs(path):
             raise InvalidArgument(f"source {path!r}: expected an absolute path")
-        rows = self._query("forget", f"DELETE FROM {TABLE} WHERE path = ? RETURNING path", (os.path.normpath(path),))
+        rows = self._query("forget", f"DELETE FROM {TABLE} WHERE path = ? RETURNING path", (_key_path(path),))
         if rows is None:
             raise Unavailable(f"source cache {db.path_of(self.root)}: cannot be written now; see the daemon log")
         return bool(rows)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 
 from hwr_client._proto import hwr_pb2 as pb
 from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
-from hwr_client.sources import resolve_sources
+from hwr_client.sources import absolute_path, resolve_sources
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +59,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
-    paths = [os.path.abspath(p) for p in args.paths]
+    paths = [absolute_path(p) for p in args.paths]
     with client_from(args) as client:
         digests = resolve_sources(client, paths)
     if args.json:
@@ -72,7 +71,7 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    path = os.path.abspath(args.path)
+    path = absolute_path(args.path)
     with client_from(args) as client:
         reply = client.call(client.admin.ForgetSource, pb.ForgetSourceRequest(path=path))
     if args.json:
