@@ -247,6 +247,7 @@ class Contract:
                         f"model expects {None if dest is None else tuple(dest.shape)}"
                     )
                 dest.copy_(value)
+                del value  # a cast to the same dtype aliases the checkpoint tensor
         self.counters.checkpoint_bytes_read += reader.bytes_read
         if targets:
             raise FailedPrecondition(f"contract {self.name}: no transform produces {sorted(targets)[:5]}")

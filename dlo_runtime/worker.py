@@ -117,9 +117,6 @@ class Worker:
                  *, handle: Any = None, client: Any = None, identity: Any = None):
         self.opts, self.contract, self.model, self.report = opts, contract, model, report
         self.handle, self.client, self.identity = handle, client, identity
-        #: Host runtime tensors captured before the backend hooked the model
-        #: (what a preferred miss publishes).
-        self.host_tensors: dict[str, torch.Tensor] = {}
         self._lease: Any = None
 
     @torch.no_grad()
@@ -134,13 +131,20 @@ class Worker:
         self.report.block_copies += after[1] - before[1]
         return out.cpu()
 
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        """The runtime tensors on the host. Between forward passes the
+        backend points streamed blocks at their host copies; anything it
+        moved to the device (non-block tensors on CUDA) is copied back."""
+        return {n: (t.detach() if t.device.type == "cpu" else t.detach().cpu())
+                for n, t in self.model.state_dict().items()}
+
     def publish(self, **kwargs: Any) -> Any:
         """Preferred-mode miss: publish the runtime tensors for the next
         start (never raises; returns the client's report)."""
         if self.report.outcome != "CANONICAL_FALLBACK" or self.client is None:
             return None
         t0 = time.perf_counter()
-        report = self.client.publish_after_load(self.identity, self.host_tensors, **kwargs)
+        report = self.client.publish_after_load(self.identity, self.host_tensors(), **kwargs)
         self.report.publish = _as_dict(report)
         self.report.publish["seconds"] = round(time.perf_counter() - t0, 6)
         return report
@@ -172,19 +176,14 @@ def _copy_stats(handle: Any) -> tuple[int, int]:
     """(bytes copied into device buffers, block copies) so far."""
     if handle is None:
         return 0, 0
-    stats = handle.stats
-    stats = stats() if callable(stats) else stats
-    get = stats.get if isinstance(stats, dict) else (lambda k, d=0: getattr(stats, k, d))
-    return int(get("bytes_copied", 0) or get("h2d_bytes", 0) or 0), int(get("copies", 0) or get("block_copies", 0) or 0)
+    blocks = handle.stats.blocks
+    return sum(b.h2d_bytes for b in blocks), sum(b.copies for b in blocks)
 
 
 def _transport(handle: Any) -> str:
     if handle is None:
         return "resident"
-    stats = handle.stats
-    stats = stats() if callable(stats) else stats
-    value = stats.get("transport") if isinstance(stats, dict) else getattr(stats, "transport", None)
-    return str(value or "unknown")
+    return str(handle.stats.transport)
 
 
 def _enable_offload(opts: WorkerOptions, contract: Contract, model: nn.Module, source: Any) -> Any:
@@ -236,9 +235,6 @@ def start_worker(opts: WorkerOptions) -> Worker:
         report = worker.report
     if report.outcome != "LOCAL_HIT":
         report.bytes_materialized = private_bytes(worker.model)
-        # Captured before the backend hooks the blocks: the host tensors a
-        # preferred miss publishes after serving (same storage, no copy).
-        worker.host_tensors = {n: t.detach() for n, t in worker.model.state_dict().items()}
         worker.handle = _enable_offload(opts, contract, worker.model, None)
         phases.mark("backend")
     report.transport = _transport(worker.handle)
