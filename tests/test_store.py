@@ -1,0 +1,228 @@
+"""The store and publication in process (no daemon): conformance with the
+reference writer, zero read-back in ordered mode, recovery, verify, delete,
+single flight and capacity. The same behaviours are tested against the real
+daemon in test_publish*.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from hwr_client.local import write_artifact
+from hwr_client.manifest import Manifest
+from hwr_client.plan import build_plan, check_plan, iter_payload, to_proto
+from hwr_server import publication as publication_mod
+from hwr_server.config import ServerConfig
+from hwr_server.publication import Coverage, Publication
+from hwr_server.store import Store
+from tests.conftest import identity, sample_tensors
+
+
+def make_store(tmp_path, **kw) -> Store:
+    store = Store(ServerConfig(root=str(tmp_path / "root"), **kw))
+    store.recover()
+    return store
+
+
+def chunks_of(plan, tensors, size=1000):
+    checked = check_plan(plan)
+    return [(fi, off, bytes(d)) for fi, lay in enumerate(checked.layouts) for off, d in iter_payload(lay, tensors, size)]
+
+
+def publish_inproc(store, plan, tensors, *, shuffle=False, size=1000):
+    pub = Publication.begin(store, to_proto(plan))
+    try:
+        chunks = chunks_of(plan, tensors, size)
+        if shuffle:
+            random.Random(1).shuffle(chunks)
+        for fi, off, data in chunks:
+            pub.write(fi, off, data)
+        return pub.commit()
+    finally:
+        pub.close()
+
+
+def strip_created(text: str) -> dict:
+    doc = json.loads(text)
+    doc.pop("created_unix")
+    return doc
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_inprocess_publication_matches_reference_writer(tmp_path, ordered):
+    store = make_store(tmp_path)
+    tensors = sample_tensors(blocks=4)
+    plan = build_plan(identity(t="conf"), tensors, ordered=ordered, file_target_bytes=3000)
+    done = publish_inproc(store, plan, tensors, shuffle=not ordered)
+    ref, ref_paths = write_artifact(str(tmp_path / "ref"), plan, tensors)
+    assert strip_created(done.manifest_json) == strip_created(ref.to_json())
+    _, paths = store.get(done.key)
+    assert len(paths) == len(ref_paths) > 2
+    for mine, theirs in zip(paths, ref_paths):
+        assert open(mine, "rb").read() == open(theirs, "rb").read()
+        assert os.stat(mine).st_mode & 0o777 == 0o444
+    assert os.stat(os.path.join(store.artifact_dir(done.key), "manifest.json")).st_mode & 0o777 == 0o444
+    assert os.listdir(store.staging_dir) == []
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_ordered_mode_reads_no_payload_back(tmp_path, monkeypatch):
+    store = make_store(tmp_path)
+    import torch
+
+    tensors = {f"blocks.{i}.w": torch.full((1024, 1024), float(i)) for i in range(8)}  # 32 MiB
+    plan = build_plan(identity(t="noread"), tensors, file_target_bytes=8 << 20)
+    calls = []
+    monkeypatch.setattr(publication_mod, "readback", lambda *a, **k: calls.append(a))
+    chunks = chunks_of(plan, tensors, 4 << 20)
+    before = _rchar()
+    pub = Publication.begin(store, to_proto(plan))
+    for fi, off, data in chunks:
+        pub.write(fi, off, data)
+    pub.commit()
+    pub.close()
+    read = _rchar() - before
+    payload = sum(len(c[2]) for c in chunks)
+    assert calls == []
+    assert read < payload // 100, f"read {read} bytes during an ordered publication of {payload}"
+
+
+def test_unordered_overlap_and_gap_are_refused(tmp_path):
+    cov = Coverage(100)
+    cov.add(10, 20, "f")
+    cov.add(30, 40, "f")
+    cov.add(20, 30, "f")
+    with pytest.raises(InvalidArgument, match="overlaps"):
+        cov.add(5, 11, "f")
+    with pytest.raises(InvalidArgument, match="overlaps"):
+        cov.add(39, 41, "f")
+    assert cov.first_gap() == (0, 10)
+    cov.add(0, 10, "f")
+    cov.add(40, 100, "f")
+    assert cov.first_gap() is None
+
+
+def test_single_flight_and_already_published(tmp_path):
+    store = make_store(tmp_path)
+    tensors = sample_tensors()
+    plan = build_plan(identity(t="flight"), tensors)
+    first = Publication.begin(store, to_proto(plan))
+    with pytest.raises(Aborted, match="in flight"):
+        Publication.begin(store, to_proto(plan))
+    assert len(os.listdir(store.staging_dir)) == 1  # the second wrote nothing
+    first.close()
+    publish_inproc(store, plan, tensors)
+    again = Publication.begin(store, to_proto(plan))
+    assert again.already_published and again.commit().already_published
+    again.close()
+    assert store.stats()['hwr_publications_total{outcome="conflict"}'] == 1
+
+
+def test_capacity_hook_refuses_before_staging(tmp_path):
+    store = make_store(tmp_path, capacity=1000)
+    plan = build_plan(identity(t="cap"), sample_tensors())
+    with pytest.raises(ResourceExhausted, match="capacity"):
+        Publication.begin(store, to_proto(plan))
+    assert os.listdir(store.staging_dir) == []
+
+
+def test_nonzero_padding_is_refused(tmp_path):
+    store = make_store(tmp_path)
+    tensors = sample_tensors()
+    plan = build_plan(identity(t="pad"), tensors)
+    checked = check_plan(plan)
+    fi = next(i for i, lay in enumerate(checked.layouts) if lay.padding_ranges())
+    begin, _ = checked.layouts[fi].padding_ranges()[0]
+    pub = Publication.begin(store, to_proto(plan))
+    with pytest.raises(InvalidArgument, match="padding"):
+        for f, off, data in chunks_of(plan, tensors, 1 << 20):
+            if f == fi and off == begin:
+                data = b"\x01" * len(data)
+            pub.write(f, off, data)
+        pub.commit()
+    pub.close()
+    assert os.listdir(store.staging_dir) == [] and store.keys() == []
+
+
+def test_verify_reports_every_mismatch_and_delete_keeps_shared_blobs(tmp_path):
+    store = make_store(tmp_path)
+    tensors = sample_tensors(blocks=2)
+    a = publish_inproc(store, build_plan(identity(t="a"), tensors, file_target_bytes=1), tensors)
+    b = publish_inproc(store, build_plan(identity(t="b"), tensors, file_target_bytes=1), tensors)
+    manifest, paths = store.get(a.key)
+    assert store.get(b.key)[1] == paths  # identical files are stored once
+    t0, t1 = manifest.tensor("blocks.0.norm.weight"), manifest.tensor("blocks.1.norm.weight")
+    for t in (t0, t1):
+        path = paths[t.file]
+        os.chmod(path, 0o644)
+        with open(path, "r+b") as f:
+            f.seek(t.offset)
+            byte = f.read(1)
+            f.seek(t.offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    result = store.verify(a.key)
+    assert not result.ok
+    text = "\n".join(result.problems)
+    assert "'blocks.0.norm.weight'" in text and "'blocks.1.norm.weight'" in text
+    assert "block 0" in text and "block 1" in text
+    assert len(result.bad_blobs) == 2
+    assert store.delete(b.key) > 0
+    assert all(os.path.exists(p) for p in paths)  # still used by a
+    store.quarantine(a.key, "verify failed", bad_blobs=result.bad_blobs)
+    with pytest.raises(FailedPrecondition, match="quarantined"):
+        store.get(a.key)
+    assert os.listdir(store.blobs_dir) == []
+    with pytest.raises(NotFound):
+        store.delete(b.key)
+
+
+def test_recovery_removes_staging_orphans_and_quarantines_bad_manifests(tmp_path):
+    store = make_store(tmp_path)
+    tensors = sample_tensors()
+    good = publish_inproc(store, build_plan(identity(t="good"), tensors), tensors)
+    bad = publish_inproc(store, build_plan(identity(t="bad"), tensors, file_target_bytes=1), tensors)
+    os.makedirs(os.path.join(store.staging_dir, "leftover"))
+    open(os.path.join(store.blobs_dir, "ab" * 32), "wb").close()
+    mpath = os.path.join(store.artifact_dir(bad.key), "manifest.json")
+    os.chmod(mpath, 0o644)
+    open(mpath, "w").close()  # truncated to zero
+    report = Store(store.config).recover()
+    assert (report.artifacts, report.quarantined, report.staging_removed) == (1, 1, 1)
+    # The planted blob and the blobs only the unreadable manifest referenced.
+    assert report.orphan_blobs_removed == 1 + 3
+    assert sorted(os.listdir(store.blobs_dir)) == sorted(f.blob for f in store.get(good.key)[0].files)
+    fresh = Store(store.config)
+    fresh.recover()
+    assert fresh.keys() == [good.key]
+    assert fresh.verify(good.key).ok
+    with pytest.raises(FailedPrecondition):
+        fresh.get(bad.key)
+    assert [s.state for s in fresh.summaries() if s.key == bad.key] == ["quarantined"]
+    assert Manifest.from_json(fresh.manifest_json(good.key)).key == good.key
+
+
+def test_plan_declared_tensor_digest_is_checked(tmp_path):
+    store = make_store(tmp_path)
+    tensors = sample_tensors()
+    plan = build_plan(identity(t="decl"), tensors)
+    msg = to_proto(plan)
+    msg.files[0].tensors[0].declared_sha256 = "0" * 64
+    pub = Publication.begin(store, msg)
+    try:
+        for fi, off, data in chunks_of(plan, tensors):
+            pub.write(fi, off, data)
+        with pytest.raises(FailedPrecondition, match="declared"):
+            pub.commit()
+    finally:
+        pub.close()
+    assert store.keys() == [] and os.listdir(store.staging_dir) == [] and os.listdir(store.blobs_dir) == []
+    assert isinstance(msg, pb.PublishPlan)
