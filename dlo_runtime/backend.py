@@ -1,0 +1,523 @@
+"""The layerwise offload (DLO) backend: two rotating device buffers fed from
+a lease's mapped bytes (or from packed ordinary tensors).
+
+Each streamed block is ONE contiguous byte range with the artifact's aligned
+layout (every tensor 64-byte aligned, see :mod:`hwr_client.layout`). Moving a
+block is one copy into a uint8 device buffer sized to the largest block; the
+block's parameters then become dtype views into that buffer for the duration
+of its forward, and point back at their host views afterwards, so between
+uses a block's parameters hold no device memory.
+
+Schedule (streamed blocks 0..n-1, slots A/B): setup loads blocks 0 and 1.
+Block j's forward pre-hook waits for its copy and binds its views; its
+forward hook records "compute done" on the slot, unbinds, and issues the copy
+of block j+2 into the same slot on the copy stream, which waits for that
+event first. So block j+1's copy is in flight while block j runs. With two
+or fewer streamed blocks everything stays loaded after the first copy. On CPU
+the copies are synchronous and the events absent; every other rule is the
+same code.
+
+Ownership: the backend takes the lease (from a :class:`LeaseCarrier`, once)
+before any asynchronous work, and its teardown runs, in order: drain device
+work -> drop hooks, staging, buffers and module references -> unregister every
+range -> close the lease. An unregistration failure keeps the registration
+and the lease; ``close()`` may be called again to retry.
+
+Example:
+    >>> restore(model, lease)                                        # doctest: +SKIP
+    >>> handle = enable_layerwise_offload(model, list(model.blocks), device="cuda:0",
+    ...                                   source=LeaseCarrier(lease))
+    >>> y = model(x); handle.stats.transport
+    'registered'
+    >>> handle.close()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from hwr_client.errors import FailedPrecondition, InvalidArgument
+from hwr_client.layout import ALIGN
+
+from dlo_runtime.cuda_host import Registrar, default_registrar
+from dlo_runtime.restore import module_tensors
+from dlo_runtime.transports import (
+    MAX_CHUNK_BYTES, ORDINARY, STAGING, RegisteredRanges, RegistrationAborted, TransportChoice, choose_transport,
+)
+
+log = logging.getLogger(__name__)
+
+#: Backends whose registrations could not be removed: they keep their lease
+#: (and so the mapping) alive for a retry of close() or process teardown.
+_RETAINED: list["OffloadBackend"] = []
+
+
+def retained() -> list["OffloadBackend"]:
+    """Backends holding a lease open because unregistration failed."""
+    return list(_RETAINED)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Member:
+    owner: nn.Module
+    attr: str
+    is_parameter: bool
+    offset: int  # from the block's first byte
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    host: torch.Tensor  # the host view the tensor points at between uses
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Block:
+    name: str
+    module: nn.Module
+    host_bytes: torch.Tensor  # 1-D uint8: the block's contiguous bytes on host
+    members: tuple[_Member, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.host_bytes.numel())
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStats:
+    """Per streamed block: its size and what moving it cost so far."""
+
+    name: str
+    nbytes: int
+    copies: int  # device copies (one per load)
+    h2d_bytes: int
+    host_copies: int  # extra host copies (staging memcpy)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadStats:
+    """What the backend uses and has done; a snapshot."""
+
+    transport: str
+    reason: str
+    device: str
+    unified_memory: bool
+    resident_blocks: int
+    buffer_bytes: int  # each of the two device buffers
+    staging_bytes: int  # each of the two staging slots (0 unless staging)
+    registered_bytes: int
+    registration_seconds: float
+    registration_calls: int
+    blocks: tuple[BlockStats, ...]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _set(owner: nn.Module, attr: str, is_parameter: bool, tensor: torch.Tensor) -> None:
+    if is_parameter:
+        owner._parameters[attr].data = tensor  # keeps the Parameter object (hooks, references)
+    else:
+        owner._buffers[attr] = tensor
+
+
+def _view(raw: torch.Tensor, m: _Member) -> torch.Tensor:
+    return raw[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)
+
+
+def _lease_blocks(root: nn.Module, streamed: Sequence[nn.Module], lease: Any) -> list[_Block]:
+    """Matches each streamed module to its manifest block by name prefix and
+    checks that its tensors are bound to the lease's views.
+
+    Raises:
+        FailedPrecondition: a block absent from the artifact, a tensor set
+            that differs, or a tensor not bound to the lease (restore first).
+    """
+    names = {id(m): n for n, m in root.named_modules()}
+    by_prefix = {b.prefix: b for b in lease.blocks}
+    entries = {t.name: t for t in lease.manifest.tensors}
+    views = lease.tensors()
+    out = []
+    for blk in streamed:
+        qual = names[id(blk)]
+        entry = by_prefix.get(qual + ".")
+        if entry is None:
+            raise FailedPrecondition(f"offload block {qual!r}: artifact has no block with prefix {qual + '.'!r}")
+        local = {qual + "." + n: (owner, attr, t, isp) for n, owner, attr, t, isp in module_tensors(blk)}
+        if set(local) != set(entry.tensors):
+            diff = sorted(set(local) ^ set(entry.tensors))[:5]
+            raise FailedPrecondition(f"offload block {qual!r}: tensors differ from artifact block {entry.index}: {diff}")
+        members = []
+        for name in entry.tensors:
+            owner, attr, t, isp = local[name]
+            if t.data_ptr() != views[name].data_ptr():
+                raise FailedPrecondition(f"offload block {qual!r}: {name} is not bound to the lease; call restore() first")
+            te = entries[name]
+            members.append(_Member(blk.get_submodule(owner), attr, isp, te.offset - entry.begin, te.nbytes,
+                                   t.dtype, tuple(t.shape), views[name]))
+        out.append(_Block(qual, blk, lease.block_bytes(entry.index), tuple(members)))
+    return out
+
+
+def _pack_block(qual: str, blk: nn.Module, *, pin: bool) -> _Block:
+    """Packs a block's tensors into one host buffer with the aligned layout
+    and repoints them at it (the ordinary transport's one extra host copy;
+    the original storage is released once nothing else references it)."""
+    rows, pos = [], 0
+    for _, owner, attr, t, isp in module_tensors(blk):
+        if t.is_meta:
+            raise FailedPrecondition(f"offload block {qual!r}: {owner}.{attr} is on meta; load the model first")
+        pos = _align(pos)
+        rows.append((blk.get_submodule(owner), attr, isp, pos, t))
+        pos += t.numel() * t.element_size()
+    host = torch.empty(max(pos, 1), dtype=torch.uint8, pin_memory=pin)
+    members = []
+    for owner, attr, isp, off, t in rows:
+        n = t.numel() * t.element_size()
+        host[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        m = _Member(owner, attr, isp, off, n, t.dtype, tuple(t.shape), host[:0])
+        m = dataclasses.replace(m, host=_view(host, m))
+        _set(owner, attr, isp, m.host)
+        members.append(m)
+    return _Block(qual, blk, host[:pos], tuple(members))
+
+
+class OffloadBackend:
+    """The handle :func:`enable_layerwise_offload` returns.
+
+    Construct, then :meth:`start`; the startup transaction uses the two
+    steps to record BACKEND_OWNED (after construction took the lease) and
+    BACKEND_READY (after start). Process-local: refuses pickling.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        blocks: Sequence[nn.Module],
+        *,
+        device: str | torch.device,
+        source: Any = None,
+        resident_blocks: int = 0,
+        pin_memory: bool = True,
+        registration_limit_gib: float = 0.0,
+        registrar: Registrar | None = None,
+        chunk_bytes: int = MAX_CHUNK_BYTES,
+    ):
+        self.device = torch.device(device)
+        blocks = list(blocks)
+        _validate(module, blocks, resident_blocks, registration_limit_gib)
+        self._module: nn.Module | None = module
+        self._all_blocks = blocks
+        self._resident = resident_blocks
+        self._pin = pin_memory
+        self._limit_gib = registration_limit_gib
+        self._registrar = registrar or default_registrar(self.device)
+        self._chunk_bytes = chunk_bytes
+        # Single take, before any asynchronous work: from here on only this
+        # backend's abort/close may drain work and close the lease.
+        self._lease = source.take() if hasattr(source, "take") else source
+        self.trail: list[str] = ["owned"]
+        self._choice = TransportChoice(ORDINARY, "not started")
+        self._ranges: RegisteredRanges | None = None
+        self._blocks: list[_Block] = []
+        self._hooks: list[Any] = []
+        self._buffers: list[torch.Tensor] = []
+        self._staging: list[torch.Tensor] = []
+        self._slot_block: list[int | None] = [None, None]
+        self._counts: list[list[int]] = []  # per block: copies, h2d bytes, host copies
+        self._unified = False
+        self._released = False
+        self._closed = False
+        self._cuda = self.device.type == "cuda"
+
+    # -- setup ----------------------------------------------------------------
+
+    def start(self) -> "OffloadBackend":
+        """Chooses the transport, allocates buffers, installs hooks and
+        issues the initial prefetch. On failure tears down (drain first) and
+        re-raises; the lease is closed unless registrations are stuck.
+
+        Raises:
+            RegistrationAborted: a rollback failed (lease kept for teardown).
+            FailedPrecondition: blocks do not match the lease.
+        """
+        try:
+            self._setup()
+        except RegistrationAborted as exc:
+            # Ranges are still registered: never close the lease under them.
+            self._ranges = exc.ranges
+            self._drain()
+            self._release()
+            self._retain(exc)
+            raise
+        except BaseException:
+            self.abort()
+            raise
+        self.trail.append("ready")
+        return self
+
+    def _setup(self) -> None:
+        assert self._module is not None
+        cap = self._registrar.capability(self.device)
+        self._unified = cap.unified_memory
+        streamed = self._all_blocks[self._resident :]
+        pin = self._pin and self._cuda and not self._unified
+        names = {id(m): n for n, m in self._module.named_modules()}
+        if self._lease is not None:
+            self._blocks = _lease_blocks(self._module, streamed, self._lease)
+        else:
+            self._blocks = [_pack_block(names[id(b)], b, pin=pin) for b in streamed]
+        self._make_resident(streamed)
+        self._choice = choose_transport(self._registrar, cap, self._lease, pin_memory=self._pin,
+                                        registration_limit_gib=self._limit_gib, chunk_bytes=self._chunk_bytes)
+        self._ranges = self._choice.ranges
+        self.trail.append(f"transport:{self._choice.kind}")
+        size = max((b.nbytes for b in self._blocks), default=0)
+        self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        if self._choice.kind == STAGING:
+            self._staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._counts = [[0, 0, 0] for _ in self._blocks]
+        if self._cuda:
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self._copy_done = [torch.cuda.Event(), torch.cuda.Event()]
+            self._compute_done = [torch.cuda.Event(), torch.cuda.Event()]
+            self._staging_free = [torch.cuda.Event(), torch.cuda.Event()]
+        for j, b in enumerate(self._blocks):
+            self._hooks.append(b.module.register_forward_pre_hook(lambda m, a, j=j: self._pre(j)))
+            self._hooks.append(b.module.register_forward_hook(lambda m, a, o, j=j: self._post(j)))
+        for j in range(min(2, len(self._blocks))):
+            self._load(j, j)  # initial prefetch
+        self.trail.append("prefetched")
+
+    def _make_resident(self, streamed: Sequence[nn.Module]) -> None:
+        """Moves everything outside the streamed blocks (and streamed blocks'
+        non-persistent buffers) to the device once."""
+        assert self._module is not None
+        skip = {id(m.host) for b in self._blocks for m in b.members}
+        skip |= {id(t) for b in streamed for _, _, _, t, _ in module_tensors(b)}
+        for mod in self._module.modules():
+            for attr, p in mod._parameters.items():
+                if p is not None and id(p) not in skip and p.device != self.device:
+                    p.data = p.data.to(self.device)
+            for attr, buf in mod._buffers.items():
+                if buf is not None and id(buf) not in skip and buf.device != self.device:
+                    mod._buffers[attr] = buf.to(self.device)
+
+    # -- the schedule ----------------------------------------------------------
+
+    def _slot_of(self, j: int) -> int | None:
+        for s in (0, 1):
+            if self._slot_block[s] == j:
+                return s
+        return None
+
+    def _load(self, j: int, slot: int) -> None:
+        """One contiguous copy of block j into device buffer ``slot``."""
+        blk = self._blocks[j]
+        dst = self._buffers[slot][: blk.nbytes]
+        src, host_copies = blk.host_bytes, 0
+        self._slot_block[slot] = None
+        if self._cuda:
+            with torch.cuda.stream(self._copy_stream):
+                # Buffer reuse: the block that last ran from this slot must
+                # finish before its bytes are overwritten.
+                self._copy_stream.wait_event(self._compute_done[slot])
+                if self._staging:
+                    # Host wait: the previous DMA out of this staging slot
+                    # must finish before the memcpy overwrites its bytes.
+                    self._staging_free[slot].synchronize()
+                    src, host_copies = self._staging[slot][: blk.nbytes].copy_(src), 1
+                dst.copy_(src, non_blocking=True)
+                if self._staging:
+                    self._staging_free[slot].record(self._copy_stream)
+                self._copy_done[slot].record(self._copy_stream)
+        else:
+            if self._staging:
+                src, host_copies = self._staging[slot][: blk.nbytes].copy_(src), 1
+            dst.copy_(src)
+        self._slot_block[slot] = j
+        c = self._counts[j]
+        c[0] += 1
+        c[1] += blk.nbytes
+        c[2] += host_copies
+
+    def _pre(self, j: int) -> None:
+        slot = self._slot_of(j)
+        if slot is None:  # out-of-order call: load on demand into the other slot
+            other = self._slot_of((j - 1) % len(self._blocks))
+            slot = 0 if other != 0 else 1
+            self._load(j, slot)
+        if self._cuda:
+            # Compute must not read the buffer before its H2D copy landed.
+            torch.cuda.current_stream(self.device).wait_event(self._copy_done[slot])
+        raw = self._buffers[slot]
+        for m in self._blocks[j].members:
+            _set(m.owner, m.attr, m.is_parameter, _view(raw, m))
+
+    def _post(self, j: int) -> None:
+        slot = self._slot_of(j)
+        assert slot is not None, f"block {j} ran without being loaded"
+        if self._cuda:
+            # The next copy into this slot waits for this block's kernels.
+            self._compute_done[slot].record(torch.cuda.current_stream(self.device))
+        for m in self._blocks[j].members:
+            _set(m.owner, m.attr, m.is_parameter, m.host)
+        n = len(self._blocks)
+        nxt = (j + 2) % n
+        if n > 2 and self._slot_of(nxt) is None:
+            self._load(nxt, slot)
+
+    # -- teardown --------------------------------------------------------------
+
+    def _drain(self) -> None:
+        if self._cuda and torch.cuda.is_available():
+            # Pending H2D copies read the mapping/staging and kernels read the
+            # buffers: both must finish before any of them is released.
+            torch.cuda.synchronize(self.device)
+        self.trail.append("drain")
+
+    def _release(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        for b in self._blocks:
+            for m in b.members:
+                _set(m.owner, m.attr, m.is_parameter, m.host)
+        self._hooks, self._buffers, self._staging, self._blocks = [], [], [], []
+        self._module, self._all_blocks = None, []
+        self._released = True
+        self.trail.append("release")
+
+    def close(self) -> None:
+        """Drain -> release -> unregister -> close the lease. Idempotent;
+        after an unregistration failure, call again to retry.
+
+        Raises:
+            UnregisterFailed: ranges stay registered and the lease stays open
+                (also kept in :func:`retained` so it outlives this handle).
+        """
+        if self._closed:
+            return
+        if not self._released:
+            self._drain()
+            self._release()
+        if self._ranges is not None and self._ranges.active:
+            try:
+                self._ranges.unregister()
+            except Exception as exc:
+                self._retain(exc)
+                raise
+            self.trail.append("unregister")
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.close()
+            self.trail.append("close_lease")
+        self._closed = True
+        if self in _RETAINED:
+            _RETAINED.remove(self)
+
+    def abort(self) -> None:
+        """close() for a failed setup; never raises. If unregistration fails
+        the lease stays open (see :func:`retained`) and close() may retry."""
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - the setup error is the one to report
+            log.error("offload backend abort: %s", exc)
+
+    def _retain(self, exc: BaseException) -> None:
+        if self not in _RETAINED:
+            _RETAINED.append(self)
+        self.trail.append("retain_lease")
+        log.error("offload backend: registrations could not be removed (%s); lease kept open", exc)
+
+    @property
+    def lease(self) -> Any:
+        """The lease this backend owns (None once closed or for ordinary)."""
+        return self._lease
+
+    # -- reporting ---------------------------------------------------------------
+
+    @property
+    def transport(self) -> str:
+        return self._choice.kind
+
+    @property
+    def stats(self) -> OffloadStats:
+        c = self._choice
+        blocks = tuple(
+            BlockStats(b.name, b.nbytes, *self._counts[j]) for j, b in enumerate(self._blocks)
+        ) if self._blocks else ()
+        return OffloadStats(
+            c.kind, c.reason, str(self.device), self._unified, self._resident,
+            int(self._buffers[0].numel()) if self._buffers else 0,
+            int(self._staging[0].numel()) if self._staging else 0,
+            c.registered_bytes, c.registration_seconds, len(c.calls), blocks,
+        )
+
+    def buffer_ranges(self) -> list[tuple[int, int]]:
+        """[start, end) addresses of the two device buffers (for checks)."""
+        return [(b.data_ptr(), b.data_ptr() + b.numel()) for b in self._buffers]
+
+    def __reduce__(self):
+        raise TypeError("OffloadBackend is process-local (it owns a lease and device buffers) and cannot be pickled")
+
+
+def _validate(module: nn.Module, blocks: list[nn.Module], resident: int, limit_gib: float) -> None:
+    if not blocks:
+        raise InvalidArgument("enable_layerwise_offload: expected at least one block, got none")
+    ids = {id(m) for m in module.modules()}
+    for i, b in enumerate(blocks):
+        if id(b) not in ids:
+            raise InvalidArgument(f"enable_layerwise_offload: block {i} is not a submodule of the module")
+    if len({id(b) for b in blocks}) != len(blocks):
+        raise InvalidArgument("enable_layerwise_offload: a block is listed twice")
+    if not 0 <= resident <= len(blocks):
+        raise InvalidArgument(f"enable_layerwise_offload: resident_blocks={resident}, expected 0..{len(blocks)}")
+    if limit_gib < 0:
+        raise InvalidArgument(f"enable_layerwise_offload: registration_limit_gib={limit_gib}, expected >= 0")
+
+
+def enable_layerwise_offload(
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    *,
+    device: str | torch.device,
+    source: Any = None,
+    resident_blocks: int = 0,
+    pin_memory: bool = True,
+    registration_limit_gib: float = 0.0,
+    registrar: Registrar | None = None,
+    chunk_bytes: int = MAX_CHUNK_BYTES,
+) -> OffloadBackend:
+    """Streams ``blocks`` of ``module`` through two device buffers.
+
+    Args:
+        module: the model; everything outside the streamed blocks moves to
+            ``device`` once.
+        blocks: the streamable blocks in execution order.
+        device: target device ("cuda:0", or "cpu" for synchronous copies).
+        source: a lease (MappedArtifact API + close()), a LeaseCarrier
+            holding one (taken once), or None for ordinary tensors. The
+            module must have been restored from it. The backend owns it and
+            closes it in :meth:`OffloadBackend.close`.
+        resident_blocks: leading blocks kept on the device, not streamed.
+        pin_memory: the pin policy; False disables registration and pinning.
+        registration_limit_gib: ceiling on registered bytes; 0 = none.
+        registrar: the CUDA registration seam (tests pass fakes).
+        chunk_bytes: largest range per cudaHostRegister call.
+
+    Returns:
+        The started backend: ``close()`` and ``stats``.
+
+    Raises:
+        InvalidArgument: bad arguments (nothing taken, nothing changed).
+        FailedPrecondition: blocks do not match the lease.
+        RegistrationAborted: rollback failed; startup must abort.
+    """
+    backend = OffloadBackend(module, blocks, device=device, source=source, resident_blocks=resident_blocks,
+                             pin_memory=pin_memory, registration_limit_gib=registration_limit_gib,
+                             registrar=registrar, chunk_bytes=chunk_bytes)
+    return backend.start()

@@ -1,0 +1,303 @@
+"""The startup transaction: resolve -> restore -> hand the lease to the
+backend, with every step recorded and every failure rule enforced.
+
+Stages of a warm start::
+
+    UNRESOLVED -> LEASE_OWNED_BY_LOADER -> RESTORE_PLANNED -> COMMIT_STARTED
+      -> CARRIER_OWNED -> BACKEND_OWNED -> BACKEND_READY -> IN_SERVICE
+
+Failure rules (seed "Pre-service transaction boundary"):
+
+- before COMMIT_STARTED: close the loader's lease; ``preferred`` loads
+  canonically into the untouched skeleton, ``required`` fails;
+- from COMMIT_STARTED through BACKEND_READY: drain device work, drop hooks,
+  staging, plan and model references, close the lease through its current
+  owner (loader, carrier or backend), discard the restored model; then
+  ``preferred`` builds a FRESH canonical model with HWR, publication and
+  checkpoint mmap bypassed, ``required`` fails;
+- a registration whose rollback failed aborts startup in both modes, with
+  the lease kept open (closing it would unmap memory the driver holds);
+- a lookup error other than a miss is FAILED in both modes (never silently a
+  miss).
+
+Model construction is the caller's (:class:`ModelRecipe`), so any model can
+plug in; this module only sequences it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from hwr_client.carrier import LeaseCarrier
+from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound
+
+from dlo_runtime.backend import OffloadBackend
+from dlo_runtime.canonical import CanonicalOptions
+from dlo_runtime.cuda_host import Registrar
+from dlo_runtime.restore import commit_restore, finalize_shared, plan_restore
+from dlo_runtime.transports import MAX_CHUNK_BYTES, RegistrationAborted
+
+log = logging.getLogger(__name__)
+
+
+class Stage(str, enum.Enum):
+    UNRESOLVED = "UNRESOLVED"
+    LEASE_OWNED_BY_LOADER = "LEASE_OWNED_BY_LOADER"
+    RESTORE_PLANNED = "RESTORE_PLANNED"
+    COMMIT_STARTED = "COMMIT_STARTED"
+    CARRIER_OWNED = "CARRIER_OWNED"
+    BACKEND_OWNED = "BACKEND_OWNED"
+    BACKEND_READY = "BACKEND_READY"
+    IN_SERVICE = "IN_SERVICE"
+
+
+class Outcome(str, enum.Enum):
+    LOCAL_HIT = "LOCAL_HIT"
+    CANONICAL_FALLBACK = "CANONICAL_FALLBACK"
+    DISABLED = "DISABLED"
+    FAILED = "FAILED"
+
+
+MODES = ("disabled", "preferred", "required")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One trail entry: a stage reached or an action taken, with a note."""
+
+    what: str
+    note: str
+    at: float  # time.monotonic()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRecipe:
+    """How to build the model; supplied by the model integration.
+
+    ``build_skeleton`` returns a fresh skeleton (meta is fine) each call;
+    ``load_canonical(skeleton, options)`` materializes it canonically (cold,
+    byte-changing work included) and returns the model; ``select_blocks``
+    names the streamable blocks in execution order; ``finalize`` is the
+    shared, non-byte-changing finalization; ``publish_after_load`` publishes
+    after a canonical miss (never called on a hit or during recovery).
+    """
+
+    build_skeleton: Callable[[], nn.Module]
+    load_canonical: Callable[[nn.Module, CanonicalOptions], nn.Module]
+    select_blocks: Callable[[nn.Module], Sequence[nn.Module]]
+    finalize: Callable[[nn.Module], Any] = lambda m: None
+    publish_after_load: Callable[[nn.Module], Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    """enable_layerwise_offload's options, minus module/blocks/source."""
+
+    device: str = "cpu"
+    resident_blocks: int = 0
+    pin_memory: bool = True
+    registration_limit_gib: float = 0.0
+    registrar: Registrar | None = None
+    chunk_bytes: int = MAX_CHUNK_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupResult:
+    outcome: Outcome
+    model: nn.Module
+    backend: OffloadBackend
+    trail: tuple[Step, ...]
+
+
+def discard_model(model: nn.Module) -> None:
+    """Points every parameter and buffer at meta, dropping the model's
+    references to restored (mapped) or device memory."""
+    for mod in model.modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[attr] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                     requires_grad=p.requires_grad)
+        for attr, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[attr] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+
+
+class StartupTransaction:
+    """One worker start. ``run()`` once; read ``trail`` afterwards (also on
+    failure).
+
+    Args:
+        mode: "disabled", "preferred" or "required".
+        recipe: how to build and load the model.
+        acquire: the loader's lookup: returns a lease (MappedArtifact API +
+            close()) on a hit, None (or raises NotFound) on a miss.
+        options: backend options.
+
+    Example:
+        >>> tx = StartupTransaction("preferred", recipe, lambda: client.resolve(identity).lease)  # doctest: +SKIP
+        >>> result = tx.run(); result.outcome
+        <Outcome.LOCAL_HIT: 'LOCAL_HIT'>
+    """
+
+    def __init__(self, mode: str, recipe: ModelRecipe, acquire: Callable[[], Any], options: BackendOptions | None = None):
+        if mode not in MODES:
+            raise InvalidArgument(f"startup mode {mode!r}: expected one of {MODES}")
+        self.mode = mode
+        self.recipe = recipe
+        self.acquire = acquire
+        self.options = options or BackendOptions()
+        self.trail: list[Step] = []
+        self.stage: Stage | None = None
+        self._ran = False
+
+    def _record(self, what: str, note: str = "") -> None:
+        self.trail.append(Step(what, note, time.monotonic()))
+        log.info("startup %s%s", what, f": {note}" if note else "")
+
+    def _enter(self, stage: Stage, note: str = "") -> None:
+        self.stage = stage
+        self._record(stage.value, note)
+
+    def run(self) -> StartupResult:
+        """Runs the start.
+
+        Returns:
+            The model in service, its backend, the outcome and the trail.
+
+        Raises:
+            FailedPrecondition: required mode without a usable artifact, or a
+                failure before service in required mode.
+            RegistrationAborted: stuck registration (both modes).
+            HwrError: a non-miss lookup failure (both modes).
+        """
+        if self._ran:
+            raise FailedPrecondition("startup transaction: run() called twice; build a new transaction")
+        self._ran = True
+        self._enter(Stage.UNRESOLVED, self.mode)
+        if self.mode == "disabled":
+            return self._canonical(self.recipe.build_skeleton(), CanonicalOptions(False, False, True), Outcome.DISABLED)
+        lease = self._lookup()
+        if lease is None:
+            if self.mode == "required":
+                self._record("FAILED", "miss in required mode")
+                raise FailedPrecondition("startup (required): no published artifact for this identity; "
+                                         "populate the store with a preferred-mode start or `hwr prewarm`")
+            return self._canonical(self.recipe.build_skeleton(), CanonicalOptions(), Outcome.CANONICAL_FALLBACK)
+        return self._warm(lease)
+
+    def _lookup(self) -> Any:
+        try:
+            lease = self.acquire()
+        except NotFound as exc:
+            self._record("MISS", str(exc))
+            return None
+        except Exception as exc:
+            self._record("FAILED", f"lookup: {exc}")
+            raise
+        if lease is None:
+            self._record("MISS")
+        return lease
+
+    def _warm(self, lease: Any) -> StartupResult:
+        self._enter(Stage.LEASE_OWNED_BY_LOADER)
+        skeleton = self.recipe.build_skeleton()
+        try:
+            plan = plan_restore(skeleton, lease)
+        except Exception as exc:
+            lease.close()
+            self._record("close_lease", "loader (plan failed)")
+            if self.mode == "required":
+                self._record("FAILED", str(exc))
+                raise
+            # The skeleton is untouched: the plan changes nothing.
+            opts = CanonicalOptions(use_hwr=False, publish=False, checkpoint_mmap=True)
+            return self._canonical(skeleton, opts, Outcome.CANONICAL_FALLBACK, note=f"plan failed: {exc}")
+        self._enter(Stage.RESTORE_PLANNED, f"{len(plan.bindings)} tensors")
+        self._enter(Stage.COMMIT_STARTED)
+        carrier: LeaseCarrier | None = None
+        backend: OffloadBackend | None = None
+        try:
+            commit_restore(skeleton, plan)
+            finalize_shared(skeleton, self.recipe.finalize)
+            carrier, lease = LeaseCarrier(lease), None
+            self._enter(Stage.CARRIER_OWNED)
+            blocks = self.recipe.select_blocks(skeleton)
+            backend = self._backend(skeleton, blocks, carrier)
+            self._enter(Stage.BACKEND_OWNED)
+            backend.start()
+            self._enter(Stage.BACKEND_READY)
+        except RegistrationAborted as exc:
+            plan = None
+            self._record("FAILED", f"registration stuck, lease kept open: {exc}")
+            self._note_backend(backend)
+            discard_model(skeleton)
+            raise
+        except Exception as exc:
+            plan = None
+            self._abort_after_commit(exc, lease, carrier, backend, skeleton)
+            if self.mode == "required":
+                self._record("FAILED", str(exc))
+                raise
+            fresh = self.recipe.build_skeleton()
+            opts = CanonicalOptions(use_hwr=False, publish=False, checkpoint_mmap=False)
+            return self._canonical(fresh, opts, Outcome.CANONICAL_FALLBACK, note=f"fresh retry after: {exc}")
+        self._enter(Stage.IN_SERVICE, Outcome.LOCAL_HIT.value)
+        return StartupResult(Outcome.LOCAL_HIT, skeleton, backend, tuple(self.trail))
+
+    def _backend(self, model: nn.Module, blocks: Sequence[nn.Module], source: Any) -> OffloadBackend:
+        o = self.options
+        return OffloadBackend(model, blocks, device=o.device, source=source, resident_blocks=o.resident_blocks,
+                              pin_memory=o.pin_memory, registration_limit_gib=o.registration_limit_gib,
+                              registrar=o.registrar, chunk_bytes=o.chunk_bytes)
+
+    def _note_backend(self, backend: OffloadBackend | None) -> None:
+        if backend is not None:
+            for t in backend.trail:
+                self._record(f"backend.{t}")
+
+    def _abort_after_commit(self, exc: BaseException, lease: Any, carrier: LeaseCarrier | None,
+                            backend: OffloadBackend | None, model: nn.Module) -> None:
+        """Drain -> release references -> close via the current owner ->
+        discard the model."""
+        self._record("ABORT", f"{self.stage.value if self.stage else '?'}: {exc}")
+        if backend is not None:
+            # The backend owns the lease: only its abort may drain and close.
+            backend.abort()
+            self._note_backend(backend)
+        else:
+            if self.options.device.startswith("cuda") and torch.cuda.is_available():
+                torch.cuda.synchronize()  # no device work may still read restored views
+            self._record("drain")
+            self._record("release")
+            if carrier is not None:
+                carrier.close()
+                self._record("close_lease", "carrier")
+            elif lease is not None:
+                lease.close()
+                self._record("close_lease", "loader")
+        discard_model(model)
+        self._record("discard_model")
+
+    def _canonical(self, skeleton: nn.Module, opts: CanonicalOptions, outcome: Outcome, note: str = "") -> StartupResult:
+        self._record("CANONICAL_LOAD", f"{outcome.value} use_hwr={opts.use_hwr} publish={opts.publish} "
+                                       f"checkpoint_mmap={opts.checkpoint_mmap} {note}".strip())
+        model = self.recipe.load_canonical(skeleton, opts)
+        self.recipe.finalize(model)
+        backend = self._backend(model, self.recipe.select_blocks(model), None).start()
+        self._enter(Stage.BACKEND_READY, "ordinary")
+        self._enter(Stage.IN_SERVICE, outcome.value)
+        if opts.publish and self.recipe.publish_after_load is not None:
+            try:
+                self.recipe.publish_after_load(model)
+                self._record("published")
+            except Exception as exc:  # publication is for the next start; never fails this one
+                log.warning("publish after load failed (the next start will load canonically again): %s", exc)
+                self._record("publish_failed", str(exc))
+        return StartupResult(outcome, model, backend, tuple(self.trail))

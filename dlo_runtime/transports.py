@@ -1,0 +1,294 @@
+"""Host-side transports of the DLO backend and the registration policy.
+
+Best first:
+
+``registered``
+    The lease's mapped files are registered with ``cudaHostRegister``
+    (read-only flag, whole pages per file, chunks of at most
+    :data:`MAX_CHUNK_BYTES`), so each block copies straight from the mapping
+    into its device buffer. No staging memory is allocated.
+``staging``
+    Two bounded staging slots (pinned when the pin policy allows) sized to the
+    largest streamed block: mapping -> slot (host memcpy) -> device.
+``ordinary``
+    No lease: each block's tensors are packed once at setup into a host
+    buffer with the artifact's aligned layout (one extra host copy of the
+    model, made block by block; the original tensors are released), and each
+    block moves from there in one copy.
+``unified``
+    Host and device share one memory pool (an integrated GPU): registration
+    and staging gain nothing there and are skipped; blocks copy straight from
+    the mapping. The backend reports it so an operator can run resident.
+
+Registration outcomes follow the seed exactly:
+
+- pin policy disabled, platform without support, over
+  ``registration_limit_gib`` or a failed call that was rolled back completely
+  -> ``staging`` (with the reason);
+- a failed call whose rollback also failed -> :class:`RegistrationAborted`:
+  startup aborts and the lease must stay open (closing it would unmap memory
+  the driver still holds);
+- an unregistration failure -> :class:`UnregisterFailed`; the remaining ranges
+  stay registered and the lease stays open, so a later retry can finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence
+
+from hwr_client.errors import Internal
+from hwr_client.mapping import PAGE_SIZE, Region
+
+from dlo_runtime.cuda_host import HOST_REGISTER_DEFAULT, HOST_REGISTER_READ_ONLY, HostCapability, Registrar
+
+log = logging.getLogger(__name__)
+
+#: Largest range one cudaHostRegister call gets (64 GiB).
+MAX_CHUNK_BYTES = 64 * 1024**3
+GIB = 1024**3
+
+REGISTERED = "registered"
+STAGING = "staging"
+ORDINARY = "ordinary"
+UNIFIED = "unified"
+
+
+class RegistrationAborted(Internal):
+    """A registration failed and its rollback failed too: some ranges are
+    still registered. The lease must stay open; startup must abort."""
+
+    def __init__(self, message: str, ranges: "RegisteredRanges"):
+        super().__init__(message)
+        self.ranges = ranges
+
+
+class UnregisterFailed(Internal):
+    """cudaHostUnregister failed: the remaining ranges are still registered,
+    so the lease must stay open until a retry succeeds."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RegistrationCall:
+    """One runtime call, as logged: op, start address, bytes, result, time."""
+
+    op: str  # "register" | "unregister"
+    address: int
+    nbytes: int
+    code: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    address: int
+    nbytes: int
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportChoice:
+    """The transport the backend will use, why, and what was registered."""
+
+    kind: str
+    reason: str
+    ranges: "RegisteredRanges | None" = None
+    calls: tuple[RegistrationCall, ...] = ()
+
+    @property
+    def registered_bytes(self) -> int:
+        return self.ranges.nbytes if self.ranges is not None else 0
+
+    @property
+    def registration_seconds(self) -> float:
+        return sum(c.seconds for c in self.calls if c.op == "register")
+
+
+def plan_chunks(regions: Sequence[Region], chunk_bytes: int = MAX_CHUNK_BYTES) -> list[Chunk]:
+    """Page-aligned chunks covering every region (one file each).
+
+    Raises:
+        Internal: a region whose address is not page-aligned.
+    """
+    if chunk_bytes <= 0 or chunk_bytes % PAGE_SIZE:
+        raise Internal(f"registration chunk size {chunk_bytes}: expected a positive multiple of {PAGE_SIZE}")
+    out = []
+    for r in regions:
+        if r.address % PAGE_SIZE:
+            raise Internal(f"mapped file {r.path}: address {r.address:#x} is not page-aligned")
+        total = r.aligned_length
+        for off in range(0, total, chunk_bytes):
+            out.append(Chunk(r.address + off, min(chunk_bytes, total - off), r.path))
+    return out
+
+
+def _timed(registrar: Registrar, op: str, chunk: Chunk, flags: int) -> RegistrationCall:
+    t0 = time.perf_counter()
+    try:
+        code = registrar.register(chunk.address, chunk.nbytes, flags) if op == "register" \
+            else registrar.unregister(chunk.address)
+    except Exception as exc:  # a broken binding is a failed call, not a crash mid-rollback
+        log.error("cudaHost%s %#x (%d bytes) raised %r", op.capitalize(), chunk.address, chunk.nbytes, exc)
+        code = -1
+    call = RegistrationCall(op, chunk.address, chunk.nbytes, int(code), time.perf_counter() - t0)
+    log.info("cudaHost%s %#x %d bytes (%s): code %d in %.3f ms", op.capitalize(), chunk.address, chunk.nbytes,
+             chunk.path, call.code, call.seconds * 1e3)
+    if call.code != 0:
+        # Reset the per-thread error a failed call leaves, so the next
+        # unrelated CUDA check in torch does not raise it.
+        registrar.clear_error()
+    return call
+
+
+class RegisteredRanges:
+    """Chunks currently registered, plus a reference that keeps their memory
+    mapped (the lease) until every chunk is unregistered."""
+
+    def __init__(self, registrar: Registrar, chunks: Sequence[Chunk], keepalive: Any):
+        self._registrar = registrar
+        self._chunks = list(chunks)
+        self._keepalive = keepalive
+        self.calls: list[RegistrationCall] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._chunks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._chunks)
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        return tuple(self._chunks)
+
+    def unregister(self) -> None:
+        """Unregisters every remaining chunk, last first. Retryable.
+
+        Raises:
+            UnregisterFailed: a call failed; that chunk and the ones before it
+                stay registered (and the mapping stays referenced).
+        """
+        while self._chunks:
+            chunk = self._chunks[-1]
+            call = _timed(self._registrar, "unregister", chunk, 0)
+            self.calls.append(call)
+            if call.code != 0:
+                raise UnregisterFailed(
+                    f"cudaHostUnregister {chunk.address:#x} ({chunk.nbytes} bytes of {chunk.path}): error {call.code}; "
+                    f"{len(self._chunks)} range(s) stay registered and the lease stays open; retry close()"
+                )
+            self._chunks.pop()
+        self._keepalive = None
+
+
+def _fallback_reason(capability: HostCapability, *, pin_memory: bool, total: int, limit_bytes: int) -> str:
+    if not pin_memory:
+        return "pin_memory=False: the pin policy is disabled"
+    if capability.unified_memory:
+        return "unified memory: registration gains nothing"
+    if not capability.host_register_supported:
+        return f"host registration unsupported on {capability.platform}: {capability.reason or 'no capability'}"
+    if not (capability.read_only_supported or capability.uses_host_page_tables):
+        return "read-only host registration unsupported (cudaDevAttrHostRegisterReadOnlySupported is 0)"
+    if limit_bytes and total > limit_bytes:
+        return f"mapping needs {total} registered bytes, over the {limit_bytes}-byte registration limit"
+    return ""
+
+
+def register_regions(
+    registrar: Registrar,
+    capability: HostCapability,
+    regions: Sequence[Region],
+    *,
+    keepalive: Any,
+    pin_memory: bool = True,
+    limit_bytes: int = 0,
+    chunk_bytes: int = MAX_CHUNK_BYTES,
+) -> TransportChoice:
+    """Registers all regions, or none.
+
+    Args:
+        registrar: the runtime seam.
+        capability: the probed platform capability (probed before any call).
+        regions: the lease's mapped files.
+        keepalive: what keeps the mapping alive while registered (the lease).
+        pin_memory: the pin policy; False selects staging without a call.
+        limit_bytes: ceiling on page-aligned registered bytes; 0 = none.
+        chunk_bytes: largest range per call.
+
+    Returns:
+        ``registered`` with the ranges, or ``staging`` with the reason.
+
+    Raises:
+        RegistrationAborted: a call failed and rollback failed; the returned
+            ranges in the exception are still registered.
+    """
+    chunks = plan_chunks(regions, chunk_bytes)
+    total = sum(c.nbytes for c in chunks)
+    reason = _fallback_reason(capability, pin_memory=pin_memory, total=total, limit_bytes=limit_bytes)
+    if reason:
+        log.info("host registration skipped (%s); using %s", reason, STAGING)
+        return TransportChoice(STAGING, reason)
+    flags = HOST_REGISTER_READ_ONLY if capability.read_only_supported else HOST_REGISTER_DEFAULT
+    done: list[Chunk] = []
+    calls: list[RegistrationCall] = []
+    for k, chunk in enumerate(chunks):
+        call = _timed(registrar, "register", chunk, flags)
+        calls.append(call)
+        if call.code == 0:
+            done.append(chunk)
+            continue
+        return _roll_back(registrar, done, calls, keepalive, k, chunk, call.code)
+    ranges = RegisteredRanges(registrar, done, keepalive)
+    ranges.calls.extend(calls)
+    return TransportChoice(REGISTERED, f"{len(done)} range(s), {total} bytes registered read-only", ranges, tuple(calls))
+
+
+def _roll_back(registrar: Registrar, done: list[Chunk], calls: list[RegistrationCall], keepalive: Any,
+               k: int, failed: Chunk, code: int) -> TransportChoice:
+    """Unregisters ``done`` after range ``k`` failed; staging if clean."""
+    ranges = RegisteredRanges(registrar, done, keepalive)
+    try:
+        ranges.unregister()
+    except UnregisterFailed as exc:
+        calls.extend(ranges.calls)
+        raise RegistrationAborted(
+            f"cudaHostRegister failed at range {k} ({failed.path} @ {failed.address:#x}, error {code}) and rollback "
+            f"failed ({exc}); {ranges.nbytes} bytes stay registered, so the lease stays open: startup aborted",
+            ranges,
+        ) from None
+    calls.extend(ranges.calls)
+    reason = f"cudaHostRegister failed at range {k} ({failed.path}, error {code}); {len(done)} range(s) rolled back"
+    log.warning("%s; using %s", reason, STAGING)
+    return TransportChoice(STAGING, reason, None, tuple(calls))
+
+
+def choose_transport(
+    registrar: Registrar,
+    capability: HostCapability,
+    source: Any,
+    *,
+    pin_memory: bool,
+    registration_limit_gib: float,
+    chunk_bytes: int = MAX_CHUNK_BYTES,
+) -> TransportChoice:
+    """Picks the transport for a backend.
+
+    Args:
+        source: the lease (MappedArtifact API) or None for ordinary tensors.
+
+    Raises:
+        RegistrationAborted: see :func:`register_regions`.
+    """
+    if source is None:
+        return TransportChoice(ORDINARY, "no lease: blocks packed once into host buffers")
+    if capability.unified_memory:
+        log.warning("device shares one memory pool with the host (unified memory): offload frees nothing; "
+                    "staging and registration skipped")
+        return TransportChoice(UNIFIED, "unified memory: staging and registration skipped")
+    limit = int(registration_limit_gib * GIB)
+    return register_regions(registrar, capability, source.regions(), keepalive=source, pin_memory=pin_memory,
+                            limit_bytes=limit, chunk_bytes=chunk_bytes)
