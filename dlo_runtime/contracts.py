@@ -54,6 +54,7 @@ from torch import nn
 
 from hwr_client.errors import FailedPrecondition, InvalidArgument
 from hwr_client.identity import Identity
+from hwr_client.layout import parse_header, torch_dtype
 from hwr_client.plan import derive_blocks
 
 log = logging.getLogger(__name__)
@@ -217,13 +218,20 @@ class Contract:
         """Byte-relevant inputs not covered elsewhere (identity ``extra``)."""
         return {}
 
-    def canonical_load(self, model: nn.Module, checkpoint_dir: str) -> nn.Module:
+    def canonical_load(self, model: nn.Module, checkpoint_dir: str, *, mmap: bool = True) -> nn.Module:
         """Loads the canonical checkpoint into ``model`` (a skeleton): the
         ordinary, HWR-less path and the producer of a publication.
 
         Materializes the model on the CPU, then for each transform reads its
         sources, computes the runtime tensor, copies it in and drops the
         checkpoint tensors at once, so peak host memory is about the model.
+
+        Args:
+            model: the skeleton (meta); materialized on the CPU here.
+            checkpoint_dir: the canonical checkpoint.
+            mmap: read through safetensors' mapping (default) or, False,
+                ``readinto`` private buffers with no mapping at all (the
+                startup transaction's recovery load bypasses checkpoint mmap).
 
         Raises:
             FailedPrecondition: the checkpoint lacks a tensor the contract
@@ -234,8 +242,8 @@ class Contract:
         model.to_empty(device="cpu")
         targets = dict(model.state_dict(keep_vars=True))
         self.counters.bytes_materialized += sum(t.nbytes for t in targets.values())
-        reader = CheckpointReader(checkpoint_dir)
-        with torch.no_grad():
+        reader = CheckpointReader(checkpoint_dir, mmap=mmap)
+        with reader, torch.no_grad():
             for tr in transforms:
                 inputs = [reader.take(s) for s in tr.sources]
                 value = tr.apply(inputs)
@@ -248,7 +256,7 @@ class Contract:
                     )
                 dest.copy_(value)
                 del value  # a cast to the same dtype aliases the checkpoint tensor
-        self.counters.checkpoint_bytes_read += reader.bytes_read
+            self.counters.checkpoint_bytes_read += reader.bytes_read
         if targets:
             raise FailedPrecondition(f"contract {self.name}: no transform produces {sorted(targets)[:5]}")
         reader.check_consumed(self.name)
@@ -269,30 +277,67 @@ class Contract:
 
 class CheckpointReader:
     """Reads tensors from a (possibly sharded) safetensors checkpoint one at
-    a time and tracks which were consumed."""
+    a time and tracks which were consumed.
 
-    def __init__(self, checkpoint_dir: str):
+    ``mmap=True`` reads through safetensors' ``safe_open``; ``mmap=False``
+    parses each header strictly and ``readinto``s every tensor into its own
+    buffer, never mapping the file.
+    """
+
+    def __init__(self, checkpoint_dir: str, *, mmap: bool = True):
         from safetensors import safe_open
 
         self._files: dict[str, Any] = {}
         self._where: dict[str, str] = {}
+        self._entries: dict[str, tuple[int, Any]] = {}
+        self.mmap = mmap
         for path in sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors"))):
-            handle = safe_open(path, framework="pt")
+            if mmap:
+                handle = safe_open(path, framework="pt")
+                names = list(handle.keys())
+            else:
+                handle = open(path, "rb")
+                header = parse_header(handle, os.fstat(handle.fileno()).st_size, what=f"checkpoint {path}")
+                names = [e.name for e in header.tensors()]
+                self._entries.update({e.name: (header.data_start, e) for e in header.tensors()})
             self._files[path] = handle
-            for name in handle.keys():
-                self._where[name] = path
+            self._where.update({name: path for name in names})
         self.bytes_read = 0
 
     def names(self) -> list[str]:
         return list(self._where)
 
+    def close(self) -> None:
+        """Closes the files (mapped tensors already handed out stay valid)."""
+        files, self._files = self._files, {}
+        for handle in files.values():
+            if hasattr(handle, "close"):
+                handle.close()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def take(self, name: str) -> torch.Tensor:
         path = self._where.pop(name, None)
         if path is None:
             raise FailedPrecondition(f"checkpoint: tensor {name!r} missing (or read twice); the contract needs it")
-        tensor = self._files[path].get_tensor(name)
+        if self.mmap:
+            tensor = self._files[path].get_tensor(name)
+        else:
+            tensor = self._read(self._files[path], path, *self._entries.pop(name))
         self.bytes_read += tensor.nbytes
         return tensor
+
+    @staticmethod
+    def _read(f: Any, path: str, data_start: int, e: Any) -> torch.Tensor:
+        buf = torch.empty(e.end - e.begin, dtype=torch.uint8)
+        f.seek(data_start + e.begin)
+        if e.end > e.begin and f.readinto(memoryview(buf.numpy())) != e.end - e.begin:
+            raise FailedPrecondition(f"checkpoint {path}: short read of tensor {e.name!r}")
+        return buf.view(torch_dtype(e.dtype)).view(e.shape)
 
     def check_consumed(self, contract: str) -> None:
         if self._where:
@@ -394,16 +439,31 @@ class GenericContract(Contract):
         modules = dict(model.named_modules())
         return [modules[prefix[:-1]] for prefix, _ in derive_blocks(list(model.state_dict())) if prefix[:-1] in modules]
 
+    def canonical_load(self, model: nn.Module, checkpoint_dir: str, *, mmap: bool = True) -> nn.Module:
+        """Cast-only load through :func:`dlo_runtime.canonical.load_canonical_into`
+        (each checkpoint tensor released as soon as it is copied)."""
+        try:
+            from dlo_runtime.canonical import iter_checkpoint, load_canonical_into
+        except ImportError:  # the DLO canonical loader is not installed: same work, our reader
+            return super().canonical_load(model, checkpoint_dir, mmap=mmap)
+        self.counters.producer_calls += 1
+        model.to_empty(device="cpu")
+        self.counters.bytes_materialized += sum(t.nbytes for t in model.state_dict(keep_vars=True).values())
+        files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
+        report = load_canonical_into(model, iter_checkpoint(files, mmap=mmap))
+        self.counters.checkpoint_bytes_read += report.nbytes
+        return model
+
     def produce(self, checkpoint_dir: str) -> dict[str, torch.Tensor]:
         """Cast tensors straight from the checkpoint; no module needed."""
         self.counters.producer_calls += 1
-        reader = CheckpointReader(checkpoint_dir)
         out = {}
-        for name in reader.names():
-            t = reader.take(name)
-            out[name] = t.to(self._dtype_of(name, t.dtype))
-            self.counters.bytes_materialized += out[name].nbytes
-        self.counters.checkpoint_bytes_read += reader.bytes_read
+        with CheckpointReader(checkpoint_dir) as reader:
+            for name in reader.names():
+                t = reader.take(name)
+                out[name] = t.to(self._dtype_of(name, t.dtype))
+                self.counters.bytes_materialized += out[name].nbytes
+            self.counters.checkpoint_bytes_read += reader.bytes_read
         return out
 
 

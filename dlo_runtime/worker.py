@@ -117,7 +117,7 @@ class Worker:
                  *, handle: Any = None, client: Any = None, identity: Any = None):
         self.opts, self.contract, self.model, self.report = opts, contract, model, report
         self.handle, self.client, self.identity = handle, client, identity
-        self._lease: Any = None
+        self._publish_pending = False
 
     @torch.no_grad()
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -141,8 +141,9 @@ class Worker:
     def publish(self, **kwargs: Any) -> Any:
         """Preferred-mode miss: publish the runtime tensors for the next
         start (never raises; returns the client's report)."""
-        if self.report.outcome != "CANONICAL_FALLBACK" or self.client is None:
+        if not self._publish_pending or self.client is None:
             return None
+        self._publish_pending = False
         t0 = time.perf_counter()
         report = self.client.publish_after_load(self.identity, self.host_tensors(), **kwargs)
         self.report.publish = _as_dict(report)
@@ -154,9 +155,6 @@ class Worker:
         handle, self.handle = self.handle, None
         if handle is not None:
             handle.close()
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            lease.close()
         client, self.client = self.client, None
         if client is not None:
             client.close()
@@ -186,22 +184,45 @@ def _transport(handle: Any) -> str:
     return str(handle.stats.transport)
 
 
-def _enable_offload(opts: WorkerOptions, contract: Contract, model: nn.Module, source: Any) -> Any:
-    if not opts.offload:
-        return None
-    from dlo_runtime.backend import enable_layerwise_offload
+def _recipe(opts: WorkerOptions, contract: Contract, phases: _Phases, pending: list[bool], publish: bool) -> Any:
+    """The model integration the startup transaction sequences."""
+    from dlo_runtime.transaction import ModelRecipe
 
-    return enable_layerwise_offload(model, contract.blocks(model), device=opts.device, source=source)
+    def load(skeleton: nn.Module, copts: Any) -> nn.Module:
+        phases.mark("skeleton")
+        model = contract.canonical_load(skeleton, opts.checkpoint, mmap=copts.checkpoint_mmap)
+        check_no_meta(model)
+        phases.mark("canonical_load")
+        return model
+
+    def defer_publish(model: nn.Module) -> None:
+        # The transaction calls this only where publication is allowed (a
+        # preferred miss, never the fresh recovery load). The worker serves
+        # first and publishes afterwards (Worker.publish).
+        pending.append(True)
+
+    return ModelRecipe(
+        build_skeleton=lambda: contract.build_skeleton(opts.checkpoint),
+        load_canonical=load,
+        select_blocks=contract.blocks,
+        finalize=contract.finalize,
+        publish_after_load=defer_publish if publish else None,
+    )
 
 
-def _canonical(opts: WorkerOptions, contract: Contract, phases: _Phases) -> nn.Module:
+def _start_resident(opts: WorkerOptions, contract: Contract, phases: _Phases) -> Worker:
+    """The ordinary worker: canonical load, model resident, no HWR, no DLO."""
+    if opts.mode != "disabled":
+        from hwr_client.errors import InvalidArgument
+
+        raise InvalidArgument(f"worker without offload: only mode 'disabled' is supported, got {opts.mode!r}")
     model = contract.build_skeleton(opts.checkpoint)
     phases.mark("skeleton")
     contract.canonical_load(model, opts.checkpoint)
     contract.finalize(model)
     check_no_meta(model)
     phases.mark("canonical_load")
-    return model
+    return Worker(opts, contract, model, StartupReport("DISABLED"))
 
 
 def start_worker(opts: WorkerOptions) -> Worker:
@@ -225,21 +246,16 @@ def start_worker(opts: WorkerOptions) -> Worker:
     contract = get_contract(opts.contract)
     counters0 = dataclasses.replace(contract.counters)
     phases = _Phases()
-    if opts.mode == "disabled":
-        # Disabled: zero HWR interaction (no client, no identity, no root).
-        model = _canonical(opts, contract, phases)
-        report = StartupReport("DISABLED")
-        worker = Worker(opts, contract, model, report)
-    else:
-        worker = _start_with_hwr(opts, contract, phases)
-        report = worker.report
-    if report.outcome != "LOCAL_HIT":
-        report.bytes_materialized = private_bytes(worker.model)
-        worker.handle = _enable_offload(opts, contract, worker.model, None)
-        phases.mark("backend")
-    report.transport = _transport(worker.handle)
+    worker = _start_resident(opts, contract, phases) if not opts.offload else _start_offloaded(opts, contract, phases)
+    report = worker.report
     report.producer_calls = contract.counters.producer_calls - counters0.producer_calls
     report.checkpoint_bytes_read = contract.counters.checkpoint_bytes_read - counters0.checkpoint_bytes_read
+    report.bytes_materialized = contract.counters.bytes_materialized - counters0.bytes_materialized
+    if report.outcome == "LOCAL_HIT":
+        # Independent proof: every CPU tensor of the model lies in the
+        # lease's mapping (device buffers are not model tensors between uses).
+        report.bytes_materialized += private_bytes(worker.model, worker.handle.lease.regions())
+    report.transport = _transport(worker.handle)
     report.startup_s = round(phases.total(), 6)
     report.phases = phases.out
     log.info("worker started: %s in %.3fs (materialized %d bytes, %d producer calls)",
@@ -247,78 +263,54 @@ def start_worker(opts: WorkerOptions) -> Worker:
     return worker
 
 
-def _start_with_hwr(opts: WorkerOptions, contract: Contract, phases: _Phases) -> Worker:
-    import hwr_client
+def _start_offloaded(opts: WorkerOptions, contract: Contract, phases: _Phases) -> Worker:
+    """Runs the startup transaction (resolve → restore → carrier → backend,
+    or canonical load → backend) and wraps its result."""
+    from dlo_runtime.transaction import BackendOptions, StartupTransaction
 
-    client = hwr_client.connect(opts.socket)
+    client = identity = None
+    pending: list[bool] = []
+    if opts.mode != "disabled":
+        # Disabled never gets here with a client: zero HWR interaction.
+        import hwr_client
+
+        client = hwr_client.connect(opts.socket)
     try:
-        identity = contract.identity(opts.checkpoint, opts.layout, client=client)
-        phases.mark("identity")
-        result = client.resolve(identity, mode=opts.mode, verify=opts.verify)
-        phases.mark("resolve")
-        outcome = _outcome_name(result)
-        if outcome == "LOCAL_HIT":
-            return _warm_start(opts, contract, client, identity, result, phases)
-        if outcome == "CANONICAL_FALLBACK":
-            model = _canonical(opts, contract, phases)
-            report = StartupReport("CANONICAL_FALLBACK", key=identity.key)
-            return Worker(opts, contract, model, report, client=client, identity=identity)
-        _raise_failed(result)
+        if client is not None:
+            identity = contract.identity(opts.checkpoint, opts.layout, client=client)
+            phases.mark("identity")
+        tx = StartupTransaction(opts.mode, _recipe(opts, contract, phases, pending, client is not None),
+                                lambda: _acquire(client, identity, opts, phases), BackendOptions(device=opts.device))
+        result = tx.run()
     except BaseException:
-        client.close()
+        if client is not None:
+            client.close()
         raise
-    raise AssertionError("unreachable")
-
-
-def _outcome_name(result: Any) -> str:
-    outcome = getattr(result, "outcome", result)
-    return str(getattr(outcome, "name", outcome)).rsplit(".", 1)[-1]
-
-
-def _raise_failed(result: Any) -> None:
-    from hwr_client.errors import FailedPrecondition, HwrError
-
-    error = getattr(result, "error", None)
-    if isinstance(error, HwrError):
-        raise error
-    raise FailedPrecondition(f"worker startup FAILED: {getattr(result, 'reason', None) or error or result}")
-
-
-def _warm_start(opts: WorkerOptions, contract: Contract, client: Any, identity: Any, result: Any,
-                phases: _Phases) -> Worker:
-    """LOCAL_HIT: restore from the lease and hand it to the backend through
-    the startup transaction; the backend owns (and closes) the lease."""
-    from hwr_client.carrier import LeaseCarrier
-
-    from dlo_runtime.restore import finalize_shared, plan_restore, commit_restore
-
-    lease = result.lease
-    report = StartupReport("LOCAL_HIT", key=identity.key, trail=["LEASE_OWNED_BY_LOADER"])
-    model = contract.build_skeleton(opts.checkpoint)
-    try:
-        plan = plan_restore(model, lease)
-        report.trail.append("RESTORE_PLANNED")
-    except BaseException:
-        lease.close()  # before COMMIT_STARTED the loader still owns the lease
-        raise
-    report.trail.append("COMMIT_STARTED")
-    carrier = LeaseCarrier(lease)
-    try:
-        commit_restore(model, plan)
-        del plan
-        finalize_shared(model, contract.finalize)
-        report.bytes_materialized = private_bytes(model, lease.regions())
-        phases.mark("restore")
-        report.trail.append("CARRIER_OWNED")
-        handle = _enable_offload(opts, contract, model, carrier.take()) if opts.offload else None
-        report.trail += ["BACKEND_OWNED", "BACKEND_READY", "IN_SERVICE"]
-    finally:
-        carrier.close()  # closes the lease only if the backend never took it
     phases.mark("backend")
-    worker = Worker(opts, contract, model, report, handle=handle, client=client, identity=identity)
-    if handle is None:
-        worker._lease = lease  # resident warm model: keep the mapping's lease alive
+    report = StartupReport(result.outcome.value, key=identity.key if identity else "",
+                           trail=[f"{s.what}: {s.note}" if s.note else s.what for s in result.trail])
+    worker = Worker(opts, contract, result.model, report, handle=result.backend, client=client, identity=identity)
+    worker._publish_pending = bool(pending)
     return worker
+
+
+def _acquire(client: Any, identity: Any, opts: WorkerOptions, phases: _Phases) -> Any:
+    """The transaction's lookup: a lease on LOCAL_HIT, None on a miss that
+    may fall back; raises on FAILED (never silently a miss)."""
+    from hwr_client.errors import FailedPrecondition, NotFound
+
+    if client is None:
+        return None
+    res = client.resolve(identity, mode=opts.mode, verify=opts.verify)
+    phases.mark("resolve")
+    if str(res.outcome) == "LOCAL_HIT":
+        return res.lease
+    if str(res.outcome) == "CANONICAL_FALLBACK":
+        return None
+    error = res.error or FailedPrecondition(f"HWR resolve of {identity.key[:12]} FAILED: {res.reason}")
+    # A NotFound would read as a plain miss to the transaction; a required
+    # miss is a failure, with resolve's message (it says how to populate).
+    raise FailedPrecondition(str(error)) if isinstance(error, NotFound) else error
 
 
 # -- process entry point ----------------------------------------------------------
