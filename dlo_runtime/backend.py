@@ -208,6 +208,8 @@ class OffloadBackend:
         chunk_bytes: int = MAX_CHUNK_BYTES,
     ):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
         blocks = list(blocks)
         _validate(module, blocks, resident_blocks, registration_limit_gib)
         self._module: nn.Module | None = module
