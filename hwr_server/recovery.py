@@ -60,11 +60,24 @@ def check_artifact(store: Any, key: str) -> tuple[Manifest | None, str, str]:
         return None, "manifest-invalid", str(exc)
     if manifest.key != key:
         return None, "manifest-invalid", f"{what}: describes key {manifest.key[:12]}, stored under {key[:12]}"
+    problem = _check_blocks(manifest)
+    if problem:
+        return manifest, "manifest-invalid", f"{what}: {problem}"
     for f in manifest.files:
         reason, problem = _check_blob(store, manifest, f)
         if reason:
             return manifest, reason, problem
     return manifest, "", ""
+
+
+def _check_blocks(manifest: Manifest) -> str:
+    """Each block must span exactly its tensors, adjacent in one file."""
+    by_name = {t.name: t for t in manifest.tensors}
+    for b in manifest.blocks:
+        ts = [by_name[n] for n in b.tensors]
+        if {t.file for t in ts} != {b.file} or b.begin != ts[0].offset or b.end != ts[-1].offset + ts[-1].nbytes:
+            return f"block {b.index} ({b.prefix!r}) range [{b.begin}, {b.end}) does not match its tensors"
+    return ""
 
 
 def _check_blob(store: Any, manifest: Manifest, f: Any) -> tuple[str, str]:
