@@ -177,7 +177,14 @@ class Metrics:
         return host, port
 
     def gather(self) -> dict[str, float]:
-        """Every component's figures in one dict (what GetStats also shows)."""
+        """Every component's figures in one dict: exactly what GetStats
+        (``hwr stats --json``) shows, by the same function when present."""
+        try:
+            from hwr_server.rpc_stats import collect
+        except ImportError:
+            collect = None
+        if collect is not None:
+            return collect(self.daemon)
         merged: dict[str, float] = {}
         sources = [self.daemon] + [getattr(self.daemon, n, None) for n in self.COMPONENTS] + [self]
         for comp in sources:

@@ -58,7 +58,8 @@ def test_families_types_and_labels():
 
 
 def test_render_merges_components_and_survives_a_broken_one(tmp_path):
-    m = Metrics(_fake_daemon(tmp_path))
+    daemon = _fake_daemon(tmp_path)
+    m = daemon.metrics = Metrics(daemon)
     got = _parsed(m.render().decode())
     assert got[("hwr_store_bytes", (("state", "published"),))] == 100
     assert got[("hwr_publications_total", (("outcome", "committed"),))] == 3
@@ -102,3 +103,101 @@ def test_textfile_written_atomically(tmp_path):
     assert m.textfile_writes == 2
     assert sorted(os.listdir(path.parent)) == ["hwr.prom"]  # no temp file left
     assert oct(os.stat(path).st_mode & 0o777) == "0o644"
+
+
+# -- against the real daemon ---------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        return _parsed(r.read().decode())
+
+
+def _v(m: dict, name: str, **labels: str) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_daemon_metrics_follow_each_scenario(make_daemon_fixture, tmp_path):
+    import json
+    import time
+
+    from tests.test_gc_daemon import collect, publish
+
+    port = _free_port()
+    textfile = tmp_path / "textfile" / "hwr.prom"
+    conf = tmp_path / "hwr.toml"
+    conf.write_text(f'metrics_listen = "127.0.0.1:{port}"\nmetrics_textfile = "{textfile}"\n'
+                    f'metrics_textfile_interval_s = 0.1\n')
+    d = make_daemon_fixture("--config", str(conf))
+    m0 = _scrape(port)
+    with d.client() as c:
+        # Publication: +1 committed, +1 artifact, bytes and seconds grow.
+        r = publish(c, "m1", 4)
+        m1 = _scrape(port)
+        assert _v(m1, "hwr_publications_total", outcome="committed") - _v(m0, "hwr_publications_total",
+                                                                          outcome="committed") == 1
+        assert _v(m1, "hwr_artifacts", state="published") - _v(m0, "hwr_artifacts", state="published") == 1
+        assert _v(m1, "hwr_store_bytes", state="published") - _v(m0, "hwr_store_bytes", state="published") \
+            == r.manifest.size_bytes
+        assert _v(m1, "hwr_publication_bytes_total") - _v(m0, "hwr_publication_bytes_total") == r.bytes_written
+        assert _v(m1, "hwr_publication_seconds_total") > _v(m0, "hwr_publication_seconds_total")
+        # Same key again: +1 already_published, nothing else grows.
+        publish(c, "m1", 4)
+        m2 = _scrape(port)
+        assert _v(m2, "hwr_publications_total", outcome="already_published") == 1
+        assert _v(m2, "hwr_store_bytes", state="published") == _v(m1, "hwr_store_bytes", state="published")
+        # Lease: +1 active; release: back.
+        lease = c.acquire(r.key)
+        assert _v(_scrape(port), "hwr_leases_active") == _v(m2, "hwr_leases_active") + 1
+        lease.close()
+        deadline = time.monotonic() + 30
+        while _v(_scrape(port), "hwr_leases_active") != _v(m2, "hwr_leases_active") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # GC: +1 run, bytes freed = the artifact's bytes, published bytes to 0.
+        res = collect(c, 1)
+        m3 = _scrape(port)
+        assert _v(m3, "hwr_gc_runs_total") - _v(m2, "hwr_gc_runs_total") == 1
+        assert _v(m3, "hwr_gc_bytes_freed_total") - _v(m2, "hwr_gc_bytes_freed_total") == res["bytes_freed"] \
+            == r.manifest.size_bytes
+        assert _v(m3, "hwr_store_bytes", state="published") == 0
+        assert _v(m3, "hwr_artifacts", state="published") == 0
+        for name in ("hwr_verify_failures_total", "hwr_source_cache_hits_total", "hwr_source_cache_misses_total",
+                     "hwr_recovery_seconds", "hwr_uptime_seconds", "hwr_sessions_active"):
+            assert any(k[0] == name for k in m3), name
+        assert ("hwr_store_bytes", (("state", "deleted_mapped"),)) in m3
+        assert ("hwr_store_bytes", (("state", "staging"),)) in m3
+    # `hwr stats --json` shows the same figures (every key is a Prometheus sample).
+    out = d.cli("stats", "--json")
+    assert out.returncode == 0, out.stderr
+    from hwr_server.metrics import parse_key
+
+    scraped = _scrape(port)
+    for key, value in json.loads(out.stdout).items():
+        name, labels = parse_key(key)
+        assert (name, tuple(sorted(labels.items()))) in scraped, key
+        if name.endswith("_total") and "seconds" not in name and not name.startswith("hwr_metrics_"):
+            assert scraped[(name, tuple(sorted(labels.items())))] == value, key
+    # The textfile is rewritten periodically with the same exposition.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if textfile.exists() and _v(_parsed(textfile.read_text()), "hwr_gc_runs_total") == 1:
+            break
+        time.sleep(0.05)
+    assert _v(_parsed(textfile.read_text()), "hwr_gc_runs_total") == 1
+
+
+def test_daemon_refuses_non_loopback_metrics_address(make_daemon_fixture, tmp_path):
+    conf = tmp_path / "hwr.toml"
+    conf.write_text('metrics_listen = "0.0.0.0:9464"\n')
+    d = make_daemon_fixture("--config", str(conf), start=False)
+    d.start(wait=False)
+    assert d.proc.wait(60) != 0
+    assert "loopback" in d.log()

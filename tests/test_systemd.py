@@ -156,3 +156,34 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
     out = subprocess.run([exe, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "Unknown key" not in out.stderr and "Unknown section" not in out.stderr, out.stderr
+
+
+def test_daemon_notifies_ready_after_recovery_and_stopping_on_sigterm(make_daemon_fixture, notify_socket, tmp_path):
+    """A fake NOTIFY_SOCKET (our bound datagram socket) stands in for systemd."""
+    import json
+    import signal
+
+    from hwr_client._proto import hwr_pb2 as pb
+
+    sock, path = notify_socket
+    root = tmp_path / "root"
+    leftover = root / "staging" / "crashed-publication"
+    leftover.mkdir(parents=True)
+    (leftover / "payload.0").write_bytes(b"x" * 4096)  # recovery must remove it before READY
+    d = make_daemon_fixture(root=str(root), start=False,
+                            env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"})
+    d.start(wait=False)
+    first = sock.recv(4096).decode()
+    assert first.split("\n")[0] == "READY=1" and f"MAINPID={d.proc.pid}" in first
+    # At READY the store is recovered and every rpc is served at once.
+    assert not leftover.exists()
+    with d.client() as c:
+        figures = json.loads(c.call(c.reader.GetStats, pb.GetStatsRequest(), timeout=10).stats_json)
+    assert "hwr_recovery_seconds" in figures
+    assert sock.recv(4096) == b"WATCHDOG=1"  # pings every WATCHDOG_USEC/2
+    d.proc.send_signal(signal.SIGTERM)
+    msgs = []
+    while not msgs or msgs[-1] == "WATCHDOG=1":
+        msgs.append(sock.recv(4096).decode())
+    assert msgs[-1].split("\n")[0] == "STOPPING=1"
+    assert d.proc.wait(60) == 0
