@@ -176,7 +176,9 @@ def hash_fd(fd: int, path: str = "<fd>") -> tuple[str, int]:
     buf = bytearray(READ_CHUNK)
     view = memoryview(buf)
     total = 0
+    prefetch = hasattr(os, "posix_fadvise")
     with open(fd, "rb", buffering=0, closefd=False) as f:
+        offset = f.tell()
         while True:
             try:
                 n = f.readinto(view)
@@ -184,6 +186,15 @@ def hash_fd(fd: int, path: str = "<fd>") -> tuple[str, int]:
                 raise os_error(path, exc) from None
             if not n:
                 break
+            offset += n
+            if prefetch:
+                # Start reading the NEXT chunk from disk now, so that the disk
+                # works while this chunk is hashed (a plain read loop would
+                # alternate: read, then hash, never both at once).
+                try:
+                    os.posix_fadvise(fd, offset, READ_CHUNK, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    prefetch = False
             h.update(view[:n])
             total += n
     return h.hexdigest(), total
