@@ -235,6 +235,11 @@ class OffloadBackend:
         self._released = False
         self._closed = False
         self._cuda = self.device.type == "cuda"
+        #: Stream/event API and whether copies are asynchronous: torch.cuda
+        #: on a CUDA device. A seam: CPU tests swap in a recording fake to
+        #: check the event ordering of the asynchronous schedule.
+        self._cu: Any = torch.cuda
+        self._async = self._cuda
 
     # -- setup ----------------------------------------------------------------
 
@@ -283,11 +288,12 @@ class OffloadBackend:
         if self._choice.kind == STAGING:
             self._staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._counts = [[0, 0, 0] for _ in self._blocks]
-        if self._cuda:
-            self._copy_stream = torch.cuda.Stream(self.device)
-            self._copy_done = [torch.cuda.Event(), torch.cuda.Event()]
-            self._compute_done = [torch.cuda.Event(), torch.cuda.Event()]
-            self._staging_free = [torch.cuda.Event(), torch.cuda.Event()]
+        if self._async:
+            cu = self._cu
+            self._copy_stream = cu.Stream(self.device)
+            self._copy_done = [cu.Event(), cu.Event()]
+            self._compute_done = [cu.Event(), cu.Event()]
+            self._staging_free = [cu.Event(), cu.Event()]
         for j, b in enumerate(self._blocks):
             self._hooks.append(b.module.register_forward_pre_hook(lambda m, a, j=j: self._pre(j)))
             self._hooks.append(b.module.register_forward_hook(lambda m, a, o, j=j: self._post(j)))
@@ -323,8 +329,8 @@ class OffloadBackend:
         dst = self._buffers[slot][: blk.nbytes]
         src, host_copies = blk.host_bytes, 0
         self._slot_block[slot] = None
-        if self._cuda:
-            with torch.cuda.stream(self._copy_stream):
+        if self._async:
+            with self._cu.stream(self._copy_stream):
                 # Buffer reuse: the block that last ran from this slot must
                 # finish before its bytes are overwritten.
                 self._copy_stream.wait_event(self._compute_done[slot])
@@ -353,9 +359,9 @@ class OffloadBackend:
             other = self._slot_of((j - 1) % len(self._blocks))
             slot = 0 if other != 0 else 1
             self._load(j, slot)
-        if self._cuda:
+        if self._async:
             # Compute must not read the buffer before its H2D copy landed.
-            torch.cuda.current_stream(self.device).wait_event(self._copy_done[slot])
+            self._cu.current_stream(self.device).wait_event(self._copy_done[slot])
         raw = self._buffers[slot]
         for m in self._blocks[j].members:
             _set(m.owner, m.attr, m.is_parameter, _view(raw, m))
@@ -363,9 +369,9 @@ class OffloadBackend:
     def _post(self, j: int) -> None:
         slot = self._slot_of(j)
         assert slot is not None, f"block {j} ran without being loaded"
-        if self._cuda:
+        if self._async:
             # The next copy into this slot waits for this block's kernels.
-            self._compute_done[slot].record(torch.cuda.current_stream(self.device))
+            self._compute_done[slot].record(self._cu.current_stream(self.device))
         for m in self._blocks[j].members:
             _set(m.owner, m.attr, m.is_parameter, m.host)
         n = len(self._blocks)
@@ -376,10 +382,10 @@ class OffloadBackend:
     # -- teardown --------------------------------------------------------------
 
     def _drain(self) -> None:
-        if self._cuda and torch.cuda.is_available():
+        if self._async:
             # Pending H2D copies read the mapping/staging and kernels read the
             # buffers: both must finish before any of them is released.
-            torch.cuda.synchronize(self.device)
+            self._cu.synchronize(self.device)
         self.trail.append("drain")
 
     def _release(self) -> None:
