@@ -206,7 +206,10 @@ class SourceCache:
         # Hashing threads: each hashes one file (SHA-256 is sequential within
         # a file); hashlib releases the GIL, so N threads use N cores.
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="hwr-source-hash")
-        self._lock = threading.Lock()  # inflight map and counters
+        # Guards the in-flight map and the counters. Re-entrant: a done
+        # callback added to an already finished future runs at once, in the
+        # thread that adds it (which holds this lock).
+        self._lock = threading.RLock()
         self._inflight: dict[FileState, concurrent.futures.Future] = {}
         self._db_lock = threading.Lock()  # the one sqlite connection
         self._conn: sqlite3.Connection | None = None
@@ -269,7 +272,10 @@ class SourceCache:
             if answer is None:
                 pending.append((i, path, norm, state, self._flight(norm, state)))
         for i, path, norm, state, future in pending:
-            hex_digest, recorded, t0 = future.result()
+            try:
+                hex_digest, recorded, t0 = future.result()
+            except concurrent.futures.CancelledError:  # stop() cancelled the queued job
+                raise Unavailable(f"source {path}: the daemon is shutting down; retry") from None
             if recorded != norm:  # joined the flight of another path to this file: record ours too
                 self._record(norm, state, hex_digest, t0)
             out[i] = SourceDigest(path, content_id_of(hex_digest), state.size, False, "hashed")
@@ -317,7 +323,10 @@ class SourceCache:
         with self._lock:
             future = self._inflight.get(state)
             if future is None:
-                future = self._pool.submit(self._hash_and_record, path, state)
+                try:
+                    future = self._pool.submit(self._hash_and_record, path, state)
+                except RuntimeError:  # the pool is shut down: the daemon is stopping
+                    raise Unavailable(f"source {path}: the daemon is shutting down; retry") from None
                 self._inflight[state] = future
                 future.add_done_callback(lambda _f, s=state: self._landed(s))
             return future
@@ -385,8 +394,10 @@ class SourceCache:
 
     def _failed(self, what: str, exc: BaseException) -> None:
         """Counts a database failure and drops the connection (reopened next
-        time). Logged once per failure streak, not per file."""
-        self.db_errors += 1
+        time). Logged once per failure streak, not per file. Caller holds
+        ``_db_lock``."""
+        with self._lock:
+            self.db_errors += 1
         if not self._db_failing:
             log.warning("source cache %s: %s failed (%s); hashing instead", db.path_of(self.root), what, exc)
         self._db_failing = True

@@ -539,3 +539,11 @@ def test_list_and_forget(make_cache, src):
     assert cache.resolve([b])[0].origin == "hashed"
     with pytest.raises(InvalidArgument):
         cache.forget("relative.bin")
+
+
+def test_stopped_cache_answers_unavailable(make_cache, src):
+    path = write(src / "a.bin", b"x")
+    cache = make_cache()
+    cache.stop()
+    with pytest.raises(Unavailable, match="shutting down"):
+        cache.resolve([path])
