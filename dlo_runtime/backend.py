@@ -231,6 +231,7 @@ class OffloadBackend:
         self._staging: list[torch.Tensor] = []
         self._slot_block: list[int | None] = [None, None]
         self._counts: list[list[int]] = []  # per block: copies, h2d bytes, host copies
+        self._meta: list[tuple[str, int]] = []  # per block: name, bytes
         self._unified = False
         self._released = False
         self._closed = False
@@ -288,6 +289,7 @@ class OffloadBackend:
         if self._choice.kind == STAGING:
             self._staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._counts = [[0, 0, 0] for _ in self._blocks]
+        self._meta = [(b.name, b.nbytes) for b in self._blocks]  # kept after close for reporting
         if self._async:
             cu = self._cu
             self._copy_stream = cu.Stream(self.device)
@@ -455,9 +457,7 @@ class OffloadBackend:
     @property
     def stats(self) -> OffloadStats:
         c = self._choice
-        blocks = tuple(
-            BlockStats(b.name, b.nbytes, *self._counts[j]) for j, b in enumerate(self._blocks)
-        ) if self._blocks else ()
+        blocks = tuple(BlockStats(name, nbytes, *self._counts[j]) for j, (name, nbytes) in enumerate(self._meta))
         return OffloadStats(
             c.kind, c.reason, str(self.device), self._unified, self._resident,
             int(self._buffers[0].numel()) if self._buffers else 0,

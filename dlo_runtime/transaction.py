@@ -272,7 +272,7 @@ class StartupTransaction:
             backend.abort()
             self._note_backend(backend)
         else:
-            if self.options.device.startswith("cuda") and torch.cuda.is_available():
+            if str(self.options.device).startswith("cuda") and torch.cuda.is_available():
                 torch.cuda.synchronize()  # no device work may still read restored views
             self._record("drain")
             self._record("release")

@@ -150,3 +150,12 @@ def test_teardown_order(tmp_path):
     assert handle.lease is None
     x = torch.randn(2, 8)
     assert torch.equal(skel(x), ref(x))  # hooks gone; params back on their host views
+
+
+def test_stats_survive_close(tmp_path):
+    ref, lease, skel = _warm(tmp_path, 3)
+    handle = enable_layerwise_offload(skel, list(skel.blocks), device="cpu", source=lease)
+    skel(torch.randn(2, 8))
+    before = handle.stats.blocks
+    handle.close()
+    assert handle.stats.blocks == before and sum(b.copies for b in before) == 5
