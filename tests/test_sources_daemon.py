@@ -213,3 +213,25 @@ def test_build_identity_rejects_a_directory_without_weights(src):
     write(src / "only" / "config.json", b"{}")
     with pytest.raises(InvalidArgument, match="no weight file"):
         build_identity(sources=str(src / "only"), client=None, **KW)
+
+
+def test_garbled_record_in_the_daemons_database(served, src):
+    """A corrupt row in the live daemon's index.sqlite is a miss, never a
+    wrong content id; the record is rewritten."""
+    import sqlite3
+
+    from hwr_server import db
+    from hwr_server.sources import TABLE
+
+    data = b"g" * 5000
+    path = write(src / "g.bin", data)
+    settle(path)
+    with served.client() as client:
+        assert client.resolve_sources([path])[0].origin == "hashed"
+        conn = sqlite3.connect(db.path_of(served.root), timeout=30)
+        with conn:
+            conn.execute(f"UPDATE {TABLE} SET content_id = ?", ("sha256:" + "0" * 64,))
+        conn.close()
+        again, = client.resolve_sources([path])
+        assert (again.content_id, again.origin) == (sha(data), "hashed")
+        assert client.resolve_sources([path])[0].origin == "cache"
