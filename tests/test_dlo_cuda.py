@@ -68,7 +68,9 @@ def test_offload_parity_on_cuda_registered_and_staging(tmp_path):
         assert handle.stats.transport == kind
         with torch.no_grad():
             outs[kind] = skel(x.cuda())
-        assert torch.equal(outs[kind], resident)
+        # Bitwise on CPU; on CUDA a library may pick another kernel for a
+        # differently aligned pointer, so compare tightly, not bitwise.
+        torch.testing.assert_close(outs[kind], resident, rtol=1e-5, atol=1e-5)
         for p in skel.blocks.parameters():
             assert p.device.type == "cpu"  # between uses: host views only
         payload[kind] = [(b.nbytes, b.copies, b.h2d_bytes) for b in handle.stats.blocks]
@@ -78,32 +80,44 @@ def test_offload_parity_on_cuda_registered_and_staging(tmp_path):
     assert torch.equal(outs["registered"], outs["staging"])
 
 
+class _Big(torch.nn.Module):
+    """Blocks heavy enough that a copy and a kernel can overlap visibly."""
+
+    def __init__(self, n: int, width: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width))
+            for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
 def test_copy_overlaps_compute_on_streams(tmp_path):
-    """The next block's H2D copy runs on another stream while a block's
+    """The next block's H2D copy runs on the copy stream while a block's
     kernels run: some copy interval intersects some kernel interval."""
     _capability()
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    from tests.test_dlo_common import ToyModel
-
-    width = 1024
-    ref = ToyModel(6, width=width).eval()
-    ref.embed = torch.nn.Linear(8, width)
+    n, width = 6, 2048
+    ref = _Big(n, width).eval()
     lease = TestLease(make_artifact(tmp_path, ref))
     with torch.device("meta"):
-        skel = ToyModel(6, width=width)
-    skel.embed = torch.nn.Linear(8, width, device="meta")
-    skel.init_runtime_buffers()
+        skel = _Big(n, width)
     restore(skel, lease)
     handle = enable_layerwise_offload(skel, list(skel.blocks), device="cuda", source=lease)
-    x = torch.randn(4096, 8, device="cuda")
+    x = torch.randn(8192, width, device="cuda")
     with torch.no_grad():
-        skel(x)
+        expected = ref.to("cuda")(x)
+        torch.testing.assert_close(skel(x), expected, rtol=1e-4, atol=1e-4)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 skel(x)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # all traced work must finish inside the profile
+    assert all(b.copies >= 3 for b in handle.stats.blocks)
     handle.close()
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     copies = [e for e in events if "Memcpy HtoD" in e.name]
