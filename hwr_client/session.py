@@ -136,6 +136,9 @@ class Session:
                 call.cancel()
                 raise FailedPrecondition("session: closed while connecting")
             self._interval_s = max(0.01, opened.keepalive_interval_ms / 1000.0)
+            # Wakes the request generator, which was waiting with the
+            # pre-open period; from now on it waits the daemon's interval.
+            outbox.put(_KEEPALIVE)
             self._session_id = opened.session_id
             lost = [self._held.pop(i) for i in opened.lost_lease_ids if i in self._held]
             self._cond.notify_all()
