@@ -20,7 +20,7 @@ from typing import Any, Callable
 import grpc
 
 from hwr_client._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.errors import HwrError, PermissionDenied, status_code_of
+from hwr_client.errors import HwrError, PermissionDenied, Unavailable, status_code_of
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ def _handler(module: str, func: str, rpc: str, *, streaming: bool = False, mutat
         return getattr(importlib.import_module(f"hwr_server.{module}"), func)
 
     def check(self: "_Base", context: grpc.ServicerContext) -> None:
+        if not getattr(self.daemon, "ready", True):
+            raise Unavailable(f"{rpc}: the daemon is still recovering its store; retry shortly")
         if mutating and not self.admin:
             raise PermissionDenied(f"{rpc}: only served on the admin socket; use `--admin-socket` or HWR_ADMIN_SOCKET")
 

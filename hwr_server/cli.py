@@ -1,0 +1,55 @@
+"""``hwr serve``: the only place the daemon reads flags, the config file and
+the environment."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+
+from hwr_client.errors import HwrError
+from hwr_server.config import ServerConfig, parse_size
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the node daemon", description="Run the HWR node daemon (one per node).")
+    p.add_argument("--root", help="store root (default: /var/lib/hwr as root, else ~/.local/share/hwr)")
+    p.add_argument("--socket", help="runtime socket, mode 0660 (default: /run/hwr/hwr.sock or $XDG_RUNTIME_DIR/hwr/)")
+    p.add_argument("--admin-socket", help="admin socket, mode 0600")
+    p.add_argument("--config", help="TOML config file (flags override it)")
+    p.add_argument("--capacity", help="byte budget of the root, e.g. 100MiB or 2TiB (0 = unlimited)")
+    p.add_argument("--source-root", action="append", default=None, metavar="DIR",
+                   help="directory the daemon may read canonical checkpoints from (repeatable)")
+    p.add_argument("--socket-group", help="group owning the runtime socket")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Config file first, then flags on top."""
+    cfg = ServerConfig.from_file(args.config) if args.config else ServerConfig()
+    overrides = {}
+    for field in ("root", "socket", "admin_socket", "socket_group"):
+        value = getattr(args, field, None)
+        if value:
+            overrides[field] = os.path.abspath(value) if field != "socket_group" else value
+    if args.capacity is not None:
+        overrides["capacity"] = parse_size(args.capacity)
+    if args.source_root:
+        overrides["source_roots"] = [os.path.abspath(p) for p in args.source_root]
+    return dataclasses.replace(cfg, **overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hwr_server.daemon import serve
+
+    try:
+        config = config_from_args(args)
+        return serve(config, dict(os.environ))
+    except HwrError as exc:
+        log.error("%s", exc)
+        print(f"hwr serve: {exc}", file=sys.stderr)
+        return 2
