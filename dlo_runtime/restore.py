@@ -138,17 +138,24 @@ def commit_restore(module: nn.Module, plan: RestorePlan) -> RestoreResult:
         FailedPrecondition: a bound tensor is still on meta afterwards.
     """
     views = plan.lease.tensors()
+    replaced: dict[int, torch.Tensor] = {}  # id(old tensor) -> its replacement
     params = buffers = 0
     for b in plan.bindings:
         owner = module.get_submodule(b.owner)
         view = views[b.name]
         if b.is_parameter:
             old = owner._parameters[b.attr]
-            owner._parameters[b.attr] = nn.Parameter(view, requires_grad=bool(old.requires_grad))
+            replaced[id(old)] = nn.Parameter(view, requires_grad=bool(old.requires_grad))
             params += 1
         else:
-            owner._buffers[b.attr] = view
+            replaced[id(owner._buffers[b.attr])] = view
             buffers += 1
+    # Every alias of a tensor (tied weights) gets the same replacement.
+    for mod in module.modules():
+        for table in (mod._parameters, mod._buffers):
+            for attr, t in table.items():
+                if t is not None and id(t) in replaced:
+                    table[attr] = replaced[id(t)]
     left = [n for n, _, _, t, _ in module_tensors(module) if t.is_meta]
     if left:
         raise FailedPrecondition(f"restore commit: {len(left)} tensor(s) still on meta after commit: {left[:5]}")

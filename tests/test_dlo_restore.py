@@ -99,3 +99,26 @@ def test_finalization_guard_detects_byte_change(tmp_path):
 
     with pytest.raises(FailedPrecondition, match="blocks.0.scale: bytes changed"):
         finalize_shared(skel, bump)
+
+
+def test_tied_parameters_are_restored_in_every_owner(tmp_path):
+    model = reference(1)
+    model.final_norm.weight = model.blocks[0].norm.weight  # tied: one tensor, two owners
+    sd = dict(model.state_dict())
+    del sd["final_norm.weight"]  # the artifact stores a tied tensor once
+
+
+    from hwr_client.local import write_artifact
+    from hwr_client.mapping import MappedArtifact
+    from hwr_client.plan import build_plan
+    from tests.conftest import identity
+
+    manifest, paths = write_artifact(str(tmp_path), build_plan(identity(tied=1), sd), sd)
+    art = MappedArtifact(manifest, paths)
+    skel = skeleton(1)
+    skel.final_norm.weight = skel.blocks[0].norm.weight
+    restore(skel, art)
+    assert skel.final_norm.weight is skel.blocks[0].norm.weight
+    assert not skel.final_norm.weight.is_meta
+    x = torch.randn(2, 8)
+    assert torch.equal(skel(x), model(x))
