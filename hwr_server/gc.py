@@ -421,21 +421,35 @@ class Collector:
         return f"lease grace period after restart ({self.config.lease_grace_s:.0f} s)"  # type: ignore[attr-defined]
 
     def pinned(self) -> set[str]:
-        if self.leases is None:
-            return set()
-        return set(self.leases.pinned_keys())  # type: ignore[attr-defined]
+        """Keys GC must keep: leased (or awaiting re-attach), plus any the
+        store reports busy (e.g. a publication answering "already published")."""
+        out: set[str] = set()
+        if self.leases is not None:
+            out |= set(self.leases.pinned_keys())  # type: ignore[attr-defined]
+        busy = getattr(self.store, "busy_keys", None)
+        if callable(busy):
+            out |= set(busy())
+        return out
 
     def _is_pinned(self, key: str) -> bool:
-        if self.leases is None:
-            return False
-        if key in self.leases.pinned_keys():  # type: ignore[attr-defined]
+        if key in self.pinned():
             return True
-        return bool(self.leases.holders(key))  # type: ignore[attr-defined]
+        return self.leases is not None and bool(self.leases.holders(key))  # type: ignore[attr-defined]
 
     def _guard(self) -> Callable[[], object] | None:
-        """The lease manager's grant lock, if it exposes one, so that no lease
-        is granted between the pin check and the unlink."""
-        lock = getattr(self.leases, "grant_lock", None)
+        """The store's lock, held around each pin check + delete.
+
+        A lease grant reads the artifact (``store.get``, under this lock)
+        before it records the lease. Holding the lock across check and
+        unlink means a grant either recorded its lease before our check (we
+        keep the artifact) or reads the store after the unlink (NotFound, or
+        the client's open of the unlinked files fails and it releases): no
+        lease is ever held on an artifact GC deleted. The lease manager also
+        re-checking ``store.contains(key)`` after recording closes the last
+        gap (the grant's reply naming unlinked files). Lock order: store,
+        then leases (the lease manager never calls the store under its lock).
+        """
+        lock = getattr(self.store, "lock", None) or getattr(self.store, "_lock", None)
         return (lambda: lock) if lock is not None else None
 
     # -- snapshot -------------------------------------------------------------------
