@@ -7,7 +7,11 @@ import torch
 from torch import nn
 
 from hwr_client.errors import FailedPrecondition
+from hwr_client.local import write_artifact
+from hwr_client.mapping import MappedArtifact
+from hwr_client.plan import build_plan
 from dlo_runtime import finalize_shared, plan_restore, restore
+from tests.conftest import identity
 from tests.test_dlo_common import ToyModel, make_artifact, reference, skeleton
 
 
@@ -106,13 +110,6 @@ def test_tied_parameters_are_restored_in_every_owner(tmp_path):
     model.final_norm.weight = model.blocks[0].norm.weight  # tied: one tensor, two owners
     sd = dict(model.state_dict())
     del sd["final_norm.weight"]  # the artifact stores a tied tensor once
-
-
-    from hwr_client.local import write_artifact
-    from hwr_client.mapping import MappedArtifact
-    from hwr_client.plan import build_plan
-    from tests.conftest import identity
-
     manifest, paths = write_artifact(str(tmp_path), build_plan(identity(tied=1), sd), sd)
     art = MappedArtifact(manifest, paths)
     skel = skeleton(1)
