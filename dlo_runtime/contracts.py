@@ -222,12 +222,14 @@ class Contract:
         """Loads the canonical checkpoint into ``model`` (a skeleton): the
         ordinary, HWR-less path and the producer of a publication.
 
-        Materializes the model on the CPU, then for each transform reads its
-        sources, computes the runtime tensor, copies it in and drops the
-        checkpoint tensors at once, so peak host memory is about the model.
+        For each transform it reads the sources, computes the runtime tensor
+        (a fresh CPU tensor: the model's own memory), binds it in place of
+        the meta tensor and drops the checkpoint tensors at once, so peak
+        host memory is the model plus one transform's sources — never
+        checkpoint + model.
 
         Args:
-            model: the skeleton (meta); materialized on the CPU here.
+            model: the skeleton (meta); its tensors become CPU tensors here.
             checkpoint_dir: the canonical checkpoint.
             mmap: read through safetensors' mapping (default) or, False,
                 ``readinto`` private buffers with no mapping at all (the
@@ -235,27 +237,28 @@ class Contract:
 
         Raises:
             FailedPrecondition: the checkpoint lacks a tensor the contract
-                needs, or has one it does not use, or a shape differs.
+                needs, or has one it does not use, or a shape/dtype differs.
         """
         self.counters.producer_calls += 1
         transforms = self.transforms(checkpoint_dir, model)
-        model.to_empty(device="cpu")
         targets = dict(model.state_dict(keep_vars=True))
-        self.counters.bytes_materialized += sum(t.nbytes for t in targets.values())
         reader = CheckpointReader(checkpoint_dir, mmap=mmap)
         with reader, torch.no_grad():
             for tr in transforms:
                 inputs = [reader.take(s) for s in tr.sources]
                 value = tr.apply(inputs)
-                del inputs  # release checkpoint tensors as soon as copied
+                if inputs and value.data_ptr() == inputs[0].data_ptr():
+                    value = value.clone()  # a same-dtype cast aliases the checkpoint tensor
+                del inputs  # release checkpoint tensors as soon as they are transformed
                 dest = targets.pop(tr.target, None)
-                if dest is None or dest.shape != value.shape:
+                if dest is None or dest.shape != value.shape or dest.dtype != value.dtype:
                     raise FailedPrecondition(
-                        f"contract {self.name}: runtime tensor {tr.target!r} is {tuple(value.shape)}, "
-                        f"model expects {None if dest is None else tuple(dest.shape)}"
+                        f"contract {self.name}: runtime tensor {tr.target!r} is {value.dtype} {tuple(value.shape)}, "
+                        f"model expects {'nothing' if dest is None else f'{dest.dtype} {tuple(dest.shape)}'}"
                     )
-                dest.copy_(value)
-                del value  # a cast to the same dtype aliases the checkpoint tensor
+                _bind(model, tr.target, value)
+                self.counters.bytes_materialized += value.nbytes
+                del value
             self.counters.checkpoint_bytes_read += reader.bytes_read
         if targets:
             raise FailedPrecondition(f"contract {self.name}: no transform produces {sorted(targets)[:5]}")
@@ -273,6 +276,17 @@ class Contract:
         model.eval()
         model.requires_grad_(False)
         return model
+
+
+def _bind(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Replaces parameter or buffer ``name`` of ``model`` with ``value``."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if attr in owner._parameters:
+        old = owner._parameters[attr]
+        owner._parameters[attr] = nn.Parameter(value, requires_grad=bool(old is not None and old.requires_grad))
+    else:
+        owner._buffers[attr] = value
 
 
 class CheckpointReader:

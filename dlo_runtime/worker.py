@@ -60,6 +60,8 @@ class WorkerOptions:
         device: DLO compute device (``cpu`` here; ``cuda`` on a GPU node).
         verify: lease-time verification (``none`` | ``fast`` | ``full``).
         offload: enable the DLO backend (False: the model stays resident).
+        registration_limit_gib: registered-bytes ceiling (0 = none); a tiny
+            value forces the staging transport on a CUDA node.
     """
 
     contract: str
@@ -70,6 +72,7 @@ class WorkerOptions:
     device: str = "cpu"
     verify: str = "none"
     offload: bool = True
+    registration_limit_gib: float = 0.0
 
 
 @dataclasses.dataclass
@@ -85,6 +88,8 @@ class StartupReport:
     checkpoint_bytes_read: int = 0
     bytes_copied_to_device: int = 0  # filled in by forward passes
     block_copies: int = 0
+    device_buffer_bytes: int = 0  # both rotating device buffers together
+    staging_bytes: int = 0  # both host staging slots together (0 unless staging)
     transport: str = ""
     trail: list[str] = dataclasses.field(default_factory=list)
     publish: dict[str, Any] | None = None
@@ -256,6 +261,9 @@ def start_worker(opts: WorkerOptions) -> Worker:
         # lease's mapping (device buffers are not model tensors between uses).
         report.bytes_materialized += private_bytes(worker.model, worker.handle.lease.regions())
     report.transport = _transport(worker.handle)
+    if worker.handle is not None:
+        stats = worker.handle.stats
+        report.device_buffer_bytes, report.staging_bytes = 2 * stats.buffer_bytes, 2 * stats.staging_bytes
     report.startup_s = round(phases.total(), 6)
     report.phases = phases.out
     log.info("worker started: %s in %.3fs (materialized %d bytes, %d producer calls)",
@@ -279,8 +287,9 @@ def _start_offloaded(opts: WorkerOptions, contract: Contract, phases: _Phases) -
         if client is not None:
             identity = contract.identity(opts.checkpoint, opts.layout, client=client)
             phases.mark("identity")
+        backend = BackendOptions(device=opts.device, registration_limit_gib=opts.registration_limit_gib)
         tx = StartupTransaction(opts.mode, _recipe(opts, contract, phases, pending, client is not None),
-                                lambda: _acquire(client, identity, opts, phases), BackendOptions(device=opts.device))
+                                lambda: _acquire(client, identity, opts, phases), backend)
         result = tx.run()
     except BaseException:
         if client is not None:
@@ -359,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-offload", action="store_true", help="keep the model resident (no DLO backend)")
+    parser.add_argument("--registration-limit-gib", type=float, default=0.0,
+                        help="registered-bytes ceiling; tiny forces staging on CUDA (default 0 = none)")
     parser.add_argument("--forward", action="store_true", help="run one forward pass and print its digest")
     parser.add_argument("--no-publish", action="store_true", help="skip publish_after_load on a preferred miss")
     parser.add_argument("--seed", type=int, default=0, help="input seed of the forward pass")
@@ -366,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     opts = WorkerOptions(args.contract, args.checkpoint, args.mode, args.socket, args.layout, args.device,
-                         offload=not args.no_offload)
+                         offload=not args.no_offload, registration_limit_gib=args.registration_limit_gib)
     worker, result = run(opts, forward=args.forward, publish=not args.no_publish, seed=args.seed)
     try:
         result["pss_kib"] = pss_kib()

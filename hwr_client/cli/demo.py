@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
 from hwr_client.errors import InvalidArgument, NotFound
@@ -139,7 +139,7 @@ def _wait_serving(socket: str, proc: subprocess.Popen, timeout: float = 120.0) -
 
 
 @contextlib.contextmanager
-def _daemon(args: argparse.Namespace, workdir: str) -> Iterator[str]:
+def daemon_for(args: argparse.Namespace, workdir: str) -> Iterator[str]:
     """Yields the runtime socket: the given one, or a daemon of our own that
     is killed on exit (nothing is left running)."""
     if args.socket:
@@ -167,15 +167,16 @@ def _daemon(args: argparse.Namespace, workdir: str) -> Iterator[str]:
         shutil.rmtree(sockdir, ignore_errors=True)
 
 
-class _Workers:
+class WorkerProcesses:
     """Worker processes that print one JSON line and hold until released."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def spawn(self, checkpoint: str, mode: str, socket: str | None, *, device: str, offload: bool = True) -> subprocess.Popen:
+    def spawn(self, checkpoint: str, mode: str, socket: str | None, *, device: str, offload: bool = True,
+              extra: tuple[str, ...] = ()) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "dlo_runtime.worker", "--contract", "tiny-dit", "--checkpoint", checkpoint,
-               "--mode", mode, "--device", device, "--forward", "--hold"]
+               "--mode", mode, "--device", device, "--forward", "--hold", *extra]
         if socket:
             cmd += ["--socket", socket]
         if not offload:
@@ -195,15 +196,19 @@ class _Workers:
         out["wall_s"] = round(time.perf_counter() - proc.t0, 3)  # type: ignore[attr-defined]
         return out
 
-    def group(self, checkpoint: str, mode: str, socket: str | None, n: int, **kw: Any) -> list[dict[str, Any]]:
-        """Starts ``n`` workers at once; returns their results with PSS read
-        while all of them are still alive; then releases them."""
+    def group(self, checkpoint: str, mode: str, socket: str | None, n: int, *,
+              measure: Callable[[int], dict[str, Any]] | None = None, **kw: Any) -> list[dict[str, Any]]:
+        """Starts ``n`` workers at once; returns their results with PSS (and
+        ``measure(pid)``, if given) read while all of them are still alive;
+        then releases them."""
         from dlo_runtime.worker import pss_kib
 
         procs = [self.spawn(checkpoint, mode, socket, **kw) for _ in range(n)]
         results = [self.result(p) for p in procs]
         for r, p in zip(results, procs):
             r["pss_kib"] = pss_kib(p.pid)
+            if measure is not None:
+                r.update(measure(p.pid))
         for p in procs:
             self.release(p)
         return results
@@ -290,14 +295,14 @@ def run_demo(args: argparse.Namespace) -> int:
     own_workdir = args.workdir is None
     workdir = tempfile.mkdtemp(prefix="hwr-demo-") if own_workdir else os.path.abspath(args.workdir)
     os.makedirs(workdir, exist_ok=True)
-    workers = _Workers()
+    workers = WorkerProcesses()
     try:
         cfg = TinyDiTConfig.for_size(size)
         ckpt = os.path.join(workdir, f"tiny-dit-{args.seed}")
         _say(f"[1/6] writing a {human(size)} reference checkpoint (hidden {cfg.hidden}, {cfg.depth} blocks) to {ckpt}")
         write_checkpoint(ckpt, cfg, seed=args.seed,
                          progress=lambda done, total: _say(f"      {100 * done // total:3d}%  {human(done)} / {human(total)}"))
-        with _daemon(args, workdir) as socket:
+        with daemon_for(args, workdir) as socket:
             _say("[2/6] ordinary worker (HWR disabled, model resident): the reference output")
             ordinary = workers.group(ckpt, "disabled", None, 1, device=args.device, offload=False)
             reference = ordinary[0]["output_sha256"]

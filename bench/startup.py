@@ -1,0 +1,387 @@
+"""Startup: ordinary loading vs cold publication vs warm start, per
+checkpoint size, with output parity, node memory and transfer volume.
+
+Everything runs in ONE invocation against a real daemon on a temporary root,
+with real worker processes (``python -m dlo_runtime.worker``) on the
+reference DiT (:mod:`dlo_runtime.models.tiny_dit`). For each fp32
+checkpoint size:
+
+- ``ordinary``: HWR disabled, canonical load, model resident — what a worker
+  does without HWR (the checkpoint is in the page cache: ordinary's best case);
+- ``cold``: preferred miss — canonical load, DLO forward, then
+  ``publish_after_load``; ``publish_s`` is compared with writing the same
+  number of bytes to a file with fsync (``fsync_s``) on the same filesystem;
+- ``warm (staging)``: preferred hit — restore from the lease, DLO forward;
+  on a CUDA node a tiny registration limit forces the staging transport;
+- ``warm (registered)``: CUDA only (``--device cuda``); skipped here;
+- 1 and 4 workers at once: sum of PSS (``/proc/PID/smaps_rollup``) read
+  while all are alive; minus per-process baselines (the same worker on a
+  1 MiB model) and, for DLO workers on ``device=cpu``, minus their two
+  "device" buffers (host memory here, HBM on a GPU);
+- page-cache residency of the artifact's blobs (``mincore``) after the warm
+  workers ran; device-buffer bytes and H2D payload per forward pass.
+
+Targets (ratios, same run): warm ≥ 10× faster than ordinary at 1 GiB and the
+gap grows with size; sum of PSS of 4 warm workers ≤ 1.1 × one model above
+baselines, ordinary ≈ 4×; ``publish_s ≤ 1.3 × fsync_s``.
+
+    python bench/startup.py                # 256 MiB, 1 GiB, 4 GiB
+    python bench/startup.py --big          # adds 8 GiB (needs ~20 GiB free RAM + disk)
+    python bench/startup.py --quick        # 2 MiB and 8 MiB, 2 workers: what the test runs
+
+Prints a table and writes JSON (default bench/results/startup.json) and a PNG
+chart next to it (needs matplotlib, in the dev extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from hwr_client.cli.demo import WorkerProcesses, daemon_for, human, parse_size  # noqa: E402
+
+GIB = 1 << 30
+#: Skip 4 concurrent ordinary workers above this much private memory.
+ORDINARY4_BUDGET = 6 * GIB
+
+
+def mincore_fraction(paths: list[str]) -> float:
+    """Fraction of the files' pages resident in the page cache (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    resident = total = 0
+    for path in paths:
+        size = os.path.getsize(path)
+        if size == 0:
+            continue
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+        try:
+            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(ctypes.c_void_p(_map_address(mm)), ctypes.c_size_t(size), vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {path}")
+            resident += sum(v & 1 for v in vec)
+            total += pages
+        finally:
+            mm.close()
+    return resident / total if total else 0.0
+
+
+def _map_address(mm: mmap.mmap) -> int:
+    """Start address of a read-only mmap (via a zero-copy torch view)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        view = torch.frombuffer(mm, dtype=torch.uint8, count=1)
+    addr = view.data_ptr()
+    del view
+    return addr
+
+
+def pss_breakdown(pid: int, artifact_dir: str) -> dict[str, int]:
+    """A process's PSS (KiB) split by what backs it (/proc/PID/smaps):
+    ``artifact`` (mappings under the store's blobs), ``anon`` (heap, anonymous
+    memory: a private model, device buffers on CPU), ``files`` (libraries,
+    checkpoint mappings: shared node-wide with every Python process, so
+    excluded from the model comparison)."""
+    out = {"pss_artifact_kib": 0, "pss_anon_kib": 0, "pss_files_kib": 0}
+    where = "pss_anon_kib"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=6)
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                path = head[5].strip() if len(head) > 5 else ""
+                if path.startswith(artifact_dir):
+                    where = "pss_artifact_kib"
+                elif path.startswith("/"):
+                    where = "pss_files_kib"
+                else:
+                    where = "pss_anon_kib"
+            elif head[0] == "Pss:":
+                out[where] += int(head[1])
+    return out
+
+
+def write_fsync_seconds(directory: str, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` to a new file and fsync it (the floor any
+    durable publication of those bytes pays)."""
+    chunk = os.urandom(4 << 20)
+    path = os.path.join(directory, f".fsync-probe-{os.getpid()}")
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            n = f.write(chunk[: min(left, len(chunk))])
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())  # durability is what we time: the data must be on disk
+    seconds = time.perf_counter() - t0
+    os.unlink(path)
+    return seconds
+
+
+def _parity(results: list[dict[str, Any]], reference: str) -> bool:
+    return all(r.get("output_sha256") == reference for r in results)
+
+
+class Bench:
+    """One benchmark run: a daemon, a workdir, and the worker processes."""
+
+    def __init__(self, args: argparse.Namespace, workdir: str, socket: str):
+        self.args, self.workdir, self.socket = args, workdir, socket
+        self.root = os.path.join(workdir, "root")
+        self.workers = WorkerProcesses()
+
+    def group(self, ckpt: str, mode: str, n: int, **kw: Any) -> list[dict[str, Any]]:
+        socket = None if mode == "disabled" else self.socket
+        blobs = os.path.join(self.root, "blobs")
+        return self.workers.group(ckpt, mode, socket, n, device=self.args.device,
+                                  measure=lambda pid: pss_breakdown(pid, blobs), **kw)
+
+    def checkpoint(self, size: int) -> str:
+        from dlo_runtime.models.tiny_dit import TinyDiTConfig, write_checkpoint
+
+        cfg = TinyDiTConfig.for_size(size)
+        path = os.path.join(self.workdir, f"ckpt-{size >> 20}MiB")
+        _say(f"  writing {human(size)} checkpoint (hidden {cfg.hidden}, {cfg.depth} blocks)")
+        write_checkpoint(path, cfg, seed=self.args.seed)
+        return path
+
+    def baselines(self) -> dict[str, int]:
+        """PSS (KiB) of one worker on a 1 MiB model, per path."""
+        ckpt = self.checkpoint(1 << 20)
+        ordinary = self.group(ckpt, "disabled", 1, offload=False)[0]
+        self.group(ckpt, "preferred", 1)  # publishes
+        warm = self.group(ckpt, "preferred", 1)[0]
+        return {"ordinary_anon_kib": ordinary["pss_anon_kib"], "warm_anon_kib": warm["pss_anon_kib"],
+                "ordinary_total_kib": ordinary["pss_kib"], "warm_total_kib": warm["pss_kib"]}
+
+    def blobs(self, key: str) -> list[str]:
+        import hwr_client
+
+        with hwr_client.connect(self.socket) as client:
+            manifest = client.lookup(key)
+        return [os.path.join(self.root, "blobs", "sha256", f.blob) for f in manifest.files]
+
+    def measure(self, size: int, base: dict[str, int]) -> dict[str, Any]:
+        args, n = self.args, self.args.workers
+        ckpt = self.checkpoint(size)
+        _say("  ordinary (HWR disabled, resident)")
+        ordinary = self.group(ckpt, "disabled", 1, offload=False)[0]
+        reference = ordinary["output_sha256"]
+        _say("  cold (preferred miss: canonical load, DLO forward, publish)")
+        cold = self.group(ckpt, "preferred", 1)[0]
+        blobs = self.blobs(cold["key"])
+        artifact = sum(os.path.getsize(p) for p in blobs)
+        fsync_s = write_fsync_seconds(self.root, artifact)
+        staging_extra: tuple[str, ...] = ("--registration-limit-gib", "1e-9") if args.device.startswith("cuda") else ()
+        _say("  warm (staging), 1 worker")
+        warm = self.group(ckpt, "preferred", 1, extra=staging_extra)[0]
+        registered = None
+        if args.device.startswith("cuda"):
+            _say("  warm (registered), 1 worker")
+            registered = self.group(ckpt, "preferred", 1)[0]
+        _say(f"  warm, {n} workers at once")
+        warm_n = self.group(ckpt, "preferred", n, extra=staging_extra)
+        residency = mincore_fraction(blobs)
+        ordinary_n = None
+        if n * artifact <= args.ordinary_budget:
+            _say(f"  ordinary, {n} workers at once")
+            ordinary_n = self.group(ckpt, "disabled", n, offload=False)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        return self._summary(size, artifact, fsync_s, residency, base, ordinary, cold, warm, registered,
+                             warm_n, ordinary_n, reference)
+
+    def _summary(self, size, artifact, fsync_s, residency, base, ordinary, cold, warm, registered, warm_n,
+                 ordinary_n, reference) -> dict[str, Any]:
+        n = len(warm_n)
+        # On device=cpu the two DLO "device" buffers are host memory (HBM on a GPU).
+        devbuf = warm["device_buffer_bytes"] if self.args.device == "cpu" else 0
+        warm_model = sum((r["pss_artifact_kib"] + r["pss_anon_kib"]) * 1024 for r in warm_n) \
+            - n * (base["warm_anon_kib"] * 1024 + devbuf)
+        ord_model = (sum(r["pss_anon_kib"] for r in ordinary_n) - n * base["ordinary_anon_kib"]) * 1024 \
+            if ordinary_n else None
+        out = {
+            "checkpoint_bytes": size, "artifact_bytes": artifact, "blocks": warm["block_copies"],
+            "ordinary_s": ordinary["startup_s"], "cold_s": cold["startup_s"],
+            "publish_s": (cold.get("publish") or {}).get("seconds"), "fsync_s": round(fsync_s, 4),
+            "warm_s": warm["startup_s"], "warm_n_max_s": max(r["startup_s"] for r in warm_n),
+            "registered_s": registered["startup_s"] if registered else None,
+            "registered_note": None if registered else "skipped: no CUDA device (registered transport is GPU only)",
+            "speedup_warm_vs_ordinary": round(ordinary["startup_s"] / warm["startup_s"], 1),
+            "publish_over_fsync": round((cold.get("publish") or {}).get("seconds", 0) / fsync_s, 2) if fsync_s else None,
+            "parity": _parity([cold, warm, *warm_n, *(ordinary_n or []), *([registered] if registered else [])], reference),
+            "workers": n,
+            "pss_kib": {"ordinary_1": ordinary["pss_kib"], "cold_1": cold["pss_kib"], "warm_1": warm["pss_kib"],
+                        f"warm_{n}": sum(r["pss_kib"] for r in warm_n),
+                        f"ordinary_{n}": sum(r["pss_kib"] for r in ordinary_n) if ordinary_n else None},
+            "baseline_pss_kib": base,
+            "pss_breakdown_kib": {
+                f"warm_{n}": {k: sum(r[k] for r in warm_n) for k in ("pss_artifact_kib", "pss_anon_kib", "pss_files_kib")},
+                f"ordinary_{n}": {k: sum(r[k] for r in ordinary_n) for k in ("pss_artifact_kib", "pss_anon_kib", "pss_files_kib")}
+                if ordinary_n else None},
+            "warm_n_pss_above_baselines_over_model": round(warm_model / artifact, 3),
+            "ordinary_n_pss_above_baselines_over_model": round(ord_model / artifact, 3) if ordinary_n else None,
+            "artifact_page_cache_residency": round(residency, 4),
+            "bytes_materialized": {"ordinary": ordinary["bytes_materialized"], "cold": cold["bytes_materialized"],
+                                   "warm": warm["bytes_materialized"]},
+            "producer_calls_warm": sum(r["producer_calls"] for r in [warm, *warm_n]),
+            "device_buffer_bytes": warm["device_buffer_bytes"], "staging_bytes": warm["staging_bytes"],
+            "h2d_bytes_per_forward": {"cold": cold["bytes_copied_to_device"], "warm": warm["bytes_copied_to_device"],
+                                      "registered": registered["bytes_copied_to_device"] if registered else None},
+            "transport": {"cold": cold["transport"], "warm": warm["transport"],
+                          "registered": registered["transport"] if registered else None},
+            "phases": {"ordinary": ordinary["phases"], "cold": cold["phases"], "warm": warm["phases"]},
+        }
+        return out
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def print_results(results: list[dict[str, Any]]) -> None:
+    header = ["checkpoint", "ordinary s", "cold s", "publish s", "fsync s", "warm s", "warm/ord",
+              "pub/fsync", "PSS warm xN", "PSS ord xN", "resident", "H2D/fwd", "parity"]
+    rows = []
+    for r in results:
+        n = r["workers"]
+        rows.append([
+            human(r["checkpoint_bytes"]), f"{r['ordinary_s']:.3f}", f"{r['cold_s']:.3f}", f"{r['publish_s']:.3f}",
+            f"{r['fsync_s']:.3f}", f"{r['warm_s']:.3f}", f"{r['speedup_warm_vs_ordinary']:.0f}x",
+            f"{r['publish_over_fsync']:.2f}", f"{r['warm_n_pss_above_baselines_over_model']:.2f}x model (n={n})",
+            "-" if r["ordinary_n_pss_above_baselines_over_model"] is None
+            else f"{r['ordinary_n_pss_above_baselines_over_model']:.2f}x model",
+            f"{100 * r['artifact_page_cache_residency']:.0f}%", human(r["h2d_bytes_per_forward"]["warm"]),
+            "yes" if r["parity"] else "NO",
+        ])
+    table = [header] + rows
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    for r in results:
+        if r["registered_note"]:
+            print(f"warm (registered): {r['registered_note']}")
+            break
+
+
+def chart(doc: dict[str, Any], path: str) -> str | None:
+    """Two panels: startup seconds per path (log scale, speedups marked) and
+    sum of PSS of N workers above baselines, in models. Returns the path, or
+    None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _say("matplotlib not installed (pip install -e '.[dev]'): no chart")
+        return None
+    results = doc["results"]
+    labels = [human(r["checkpoint_bytes"]).replace(".0 ", " ") for r in results]
+    xs = range(len(results))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    series = [("ordinary load", "ordinary_s", "#888888"), ("cold: load + publish", None, "#d98c2b"),
+              ("warm start (HWR)", "warm_s", "#2b7bd9")]
+    width = 0.27
+    for k, (name, field, color) in enumerate(series):
+        vals = [r[field] if field else r["cold_s"] + (r["publish_s"] or 0) for r in results]
+        ax1.bar([x + (k - 1) * width for x in xs], vals, width, label=name, color=color)
+    for x, r in zip(xs, results):
+        ax1.annotate(f"{r['speedup_warm_vs_ordinary']:.0f}x faster", (x + width, r["warm_s"]),
+                     textcoords="offset points", xytext=(0, 4), ha="center", fontsize=9, color="#2b7bd9")
+    ax1.set_yscale("log")
+    ax1.set_xticks(list(xs), [f"{lab} fp32" for lab in labels])
+    ax1.set_ylabel("seconds to ready (log scale)")
+    ax1.set_title("Worker startup by checkpoint size")
+    ax1.legend(fontsize=9, loc="upper left")
+    n = results[0]["workers"]
+    ordv = [r["ordinary_n_pss_above_baselines_over_model"] or 0 for r in results]
+    warmv = [r["warm_n_pss_above_baselines_over_model"] for r in results]
+    ax2.bar([x - 0.2 for x in xs], ordv, 0.4, label=f"{n} ordinary workers", color="#888888")
+    ax2.bar([x + 0.2 for x in xs], warmv, 0.4, label=f"{n} warm workers (HWR)", color="#2b7bd9")
+    ax2.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax2.text(len(results) - 0.5, 1.05, "one copy of the model", ha="right", fontsize=9)
+    for x, o in zip(xs, ordv):
+        if not o:
+            ax2.text(x - 0.2, 0.05, "skipped\n(RAM)", ha="center", fontsize=8)
+    ax2.set_xticks(list(xs), [f"{lab} fp32" for lab in labels])
+    ax2.set_ylabel("sum of PSS above baselines (x model size)")
+    ax2.set_title(f"Host memory of {n} workers on one node")
+    ax2.legend(fontsize=9, loc="upper left")
+    fig.suptitle(f"HWR vs ordinary loading — {doc['machine']}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.big:
+        sizes.append(8 * GIB)
+    workdir = tempfile.mkdtemp(prefix="hwr-bench-startup-", dir=args.dir)
+    ns = argparse.Namespace(socket=args.socket, admin_socket=None)
+    results = []
+    try:
+        with daemon_for(ns, workdir) as socket:
+            bench = Bench(args, workdir, socket)
+            try:
+                _say("baselines (1 MiB model)")
+                base = bench.baselines()
+                for size in sizes:
+                    _say(f"size {human(size)}")
+                    results.append(bench.measure(size, base))
+            finally:
+                bench.workers.kill_all()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    machine = f"{os.cpu_count()} cores, {platform.machine()}, device={args.device}"
+    return {"bench": "startup", "machine": machine, "device": args.device, "results": results,
+            "page_cache": "checkpoint files are in the page cache when ordinary loads (its best case)"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="256MiB,1GiB,4GiB", help="fp32 checkpoint sizes, comma-separated")
+    parser.add_argument("--big", action="store_true", help="add 8 GiB (mind RAM: ~4 GiB artifact + checkpoint)")
+    parser.add_argument("--workers", type=int, default=4, help="workers started at once for the PSS rows")
+    parser.add_argument("--device", default="cpu", help="DLO device: cpu, or cuda for the registered row")
+    parser.add_argument("--ordinary-budget", type=parse_size, default=ORDINARY4_BUDGET,
+                        help="skip N concurrent ordinary workers above N x artifact bytes (default 6GiB)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--socket", help="use a running daemon (default: start one on a temp root)")
+    parser.add_argument("--dir", default=None, help="where checkpoints and the store live (default: system temp)")
+    parser.add_argument("--quick", action="store_true", help="2 MiB and 8 MiB, 2 workers")
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "startup.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.workers, args.big = "2MiB,8MiB", 2, False
+    doc = run(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+    print_results(doc["results"])
+    png = chart(doc, os.path.splitext(args.out)[0] + ".png")
+    print(f"\nJSON: {args.out}" + (f"\nchart: {png}" if png else ""))
+    return 0 if all(r["parity"] for r in doc["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
