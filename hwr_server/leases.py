@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from hwr_client.errors import FailedPrecondition, Unavailable
+from hwr_client.errors import FailedPrecondition, NotFound, Unavailable
 from hwr_client.identity import check_key
 from hwr_server import db
 
@@ -319,6 +319,15 @@ class LeaseManager:
             self._leases[lease.id_hash] = lease
             session.leases.add(lease.id_hash)
             session.last_seen = time.monotonic()  # any call proves liveness
+        # Closes the gap with a concurrent delete/GC: it holds the store's
+        # lock around "is it pinned?" + unlink. Either our record existed
+        # before its check (it keeps the artifact), or it unlinked after our
+        # store.get — then the artifact is gone now and we must not hand out
+        # paths to it. Lock order: store, then leases (never the reverse).
+        contains = getattr(self.store, "contains", None)
+        if callable(contains) and not contains(key):
+            self.release(session_id, lease_id)
+            raise NotFound(f"artifact {key[:12]}: deleted while the lease was being granted")
         return Grant(lease_id, manifest_json, paths)
 
     def _lookup(self, key: str) -> tuple[str, tuple[str, ...]]:

@@ -39,6 +39,9 @@ class FakeStore:
     def __init__(self):
         self.manifests = {KEY_A: _FakeManifest(KEY_A), KEY_B: _FakeManifest(KEY_B)}
 
+    def contains(self, key):
+        return key in self.manifests
+
     def get(self, key):
         if key == KEY_Q:
             raise FailedPrecondition(f"artifact {key[:12]}: quarantined")
@@ -184,3 +187,20 @@ def test_threads_count_matches(tmp_path):
         t.join()
     assert m.stats()["hwr_leases_active"] == sum(len(h) for h in held)
     assert len(m.list()) == sum(len(h) for h in held)
+
+
+def test_artifact_deleted_during_grant_is_not_granted(tmp_path):
+    m = make(tmp_path)
+    s = m.open_session(1, "")
+    store = m.store
+    real_get = store.get
+
+    def get_then_deleted(key):  # a GC unlinks right after our store.get
+        out = real_get(key)
+        del store.manifests[key]
+        return out
+
+    store.get = get_then_deleted
+    with pytest.raises(NotFound, match="deleted while"):
+        m.acquire(s.session_id, KEY_A)
+    assert m.list() == [] and m.stats()["hwr_leases_active"] == 0
