@@ -600,10 +600,17 @@ class Collector:
                 self.check()
             except Exception:  # noqa: BLE001 - a failed pass must not end the thread
                 log.exception("gc: automatic collection failed")
-            # Sleep until the next interval or a wake-up (stop, or the grace
-            # period ending); an event, not a sleep, so stop() is prompt.
-            self._wake.wait(self.config.gc_interval_s)  # type: ignore[attr-defined]
+            # Sleep until the next interval, or just past the end of the
+            # lease grace period; an event, not a sleep, so stop() is prompt.
+            self._wake.wait(self._next_wait())
             self._wake.clear()
+
+    def _next_wait(self) -> float:
+        wait = float(self.config.gc_interval_s)  # type: ignore[attr-defined]
+        left = getattr(self.leases, "grace_left_s", None)
+        if callable(left) and self.leases.in_grace():  # type: ignore[attr-defined]
+            wait = min(wait, float(left()) + 0.1)
+        return max(0.01, wait)
 
     def start(self) -> None:
         """Starts the background thread (the daemon calls this after recovery)."""

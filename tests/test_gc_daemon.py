@@ -49,6 +49,22 @@ def keys(client) -> set[str]:
     return {a.key for a in reply.artifacts if a.state == "published"}
 
 
+def wait_ready(c, timeout: float = 60.0) -> None:
+    """Retries until rpcs are served (health may say SERVING a moment before
+    the daemon is ready; reported to the daemon's owner)."""
+    from hwr_client.errors import Unavailable
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            keys(c)
+            return
+        except Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def blob_path(d, digest: str) -> str:
     return os.path.join(d.root, "blobs", "sha256", digest)
 
@@ -223,6 +239,7 @@ def test_restart_during_gc(make_daemon_fixture, tmp_path):
     proc.communicate(timeout=60)
     d.start()
     with d.client() as c:
+        wait_ready(c)
         survivors = keys(c)
         assert survivors <= {r.key for r in reports}
         for key in survivors:
@@ -235,3 +252,47 @@ def test_restart_during_gc(make_daemon_fixture, tmp_path):
         res = collect(c, 1)
         assert res["executed"] and keys(c) == set()
         assert set(os.listdir(os.path.join(d.root, "blobs", "sha256"))) <= set()
+
+
+_HOLDER = r"""
+import sys, time, hwr_client
+c = hwr_client.connect(sys.argv[1])
+lease = c.acquire(sys.argv[2])
+print("leased", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_gc_waits_out_the_lease_grace_period_after_restart(make_daemon_fixture, tmp_path):
+    import subprocess
+    import sys
+
+    conf = tmp_path / "grace.toml"
+    conf.write_text("lease_grace_s = 4.0\n")
+    d = make_daemon_fixture("--config", str(conf))
+    with d.client() as c:
+        a, b = publish(c, "ga", 2), publish(c, "gb", 2)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, d.socket, a.key], env=d.env, stdout=subprocess.PIPE)
+    assert holder.stdout.readline() == b"leased\n"
+    # Daemon and holder die together: the persisted lease awaits re-attach.
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    holder.kill()
+    holder.wait()
+    d.start()
+    with d.client() as c:
+        wait_ready(c)
+        res = collect(c, 1)
+        assert res["executed"] is False and "grace" in res["deferred_reason"]
+        dry = collect(c, 1, dry_run=True)
+        assert [i["name"] for i in dry["items"] if i["kind"] == "artifact"] == [b.key]  # a is pinned
+        assert keys(c) == {a.key, b.key}
+        assert stats(c)["hwr_gc_runs_total"] == 0 and stats(c)["hwr_gc_deferred_total"] == 1
+        out = d.cli("gc")
+        assert out.returncode == 0 and "not collected now: lease grace period" in out.stdout
+        deadline = time.monotonic() + 60
+        while collect(c, 1, dry_run=True)["deferred_reason"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        res = collect(c, 1)  # the holder never came back: its lease is gone
+        assert res["executed"] and {i["name"] for i in res["items"] if i["kind"] == "artifact"} == {a.key, b.key}
+        assert keys(c) == set()
