@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import xxhash
@@ -206,13 +206,26 @@ def _digest(t: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(raw))
 
 
-def snapshot(module: nn.Module) -> dict[str, TensorSnapshot]:
+def _within(ptr: int, nbytes: int, regions: Sequence[Any]) -> bool:
+    return any(r.address <= ptr and ptr + nbytes <= r.address + r.length for r in regions)
+
+
+def snapshot(module: nn.Module, regions: Sequence[Any] = ()) -> dict[str, TensorSnapshot]:
     """Data pointer, size and an xxh3 digest of every parameter and
-    persistent buffer."""
-    return {
-        name: TensorSnapshot(t.data_ptr(), t.numel() * t.element_size(), _digest(t))
-        for name, _, _, t, _ in module_tensors(module)
-    }
+    persistent buffer.
+
+    Args:
+        regions: read-only mapped ranges (``lease.regions()``). A tensor
+            inside one is not hashed: the mapping is PROT_READ, so a write
+            through it faults, and an unchanged pointer proves unchanged
+            bytes. Its digest is recorded as 0.
+    """
+    out = {}
+    for name, _, _, t, _ in module_tensors(module):
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        readonly = t.device.type == "cpu" and _within(ptr, nbytes, regions)
+        out[name] = TensorSnapshot(ptr, nbytes, 0 if readonly else _digest(t))
+    return out
 
 
 def compare_snapshots(before: dict[str, TensorSnapshot], after: dict[str, TensorSnapshot]) -> list[str]:
@@ -230,20 +243,24 @@ def compare_snapshots(before: dict[str, TensorSnapshot], after: dict[str, Tensor
     return out
 
 
-def finalize_shared(module: nn.Module, finalize: Callable[[nn.Module], Any]) -> None:
+def finalize_shared(module: nn.Module, finalize: Callable[[nn.Module], Any], *,
+                    regions: Sequence[Any] = ()) -> None:
     """Runs shared (non-byte-changing) finalization and proves it neutral.
 
     Args:
         module: the restored module.
         finalize: validation, eval(), hook installation, bookkeeping...
+        regions: the lease's read-only mapped ranges; tensors inside them are
+            proven by pointer alone (see :func:`snapshot`), so a warm start
+            hashes nothing it restored.
 
     Raises:
         FailedPrecondition: ``finalize`` changed restored bytes or moved a
             data pointer (byte-changing work belongs to the cold path only).
     """
-    before = snapshot(module)
+    before = snapshot(module, regions)
     finalize(module)
-    changed = compare_snapshots(before, snapshot(module))
+    changed = compare_snapshots(before, snapshot(module, regions))
     if changed:
         raise FailedPrecondition(
             f"shared finalization is not byte- and pointer-neutral after warm restore: {changed[:10]}; "

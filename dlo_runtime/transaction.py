@@ -225,7 +225,7 @@ class StartupTransaction:
         backend: OffloadBackend | None = None
         try:
             commit_restore(skeleton, plan)
-            finalize_shared(skeleton, self.recipe.finalize)
+            finalize_shared(skeleton, self.recipe.finalize, regions=lease.regions())
             carrier, lease = LeaseCarrier(lease), None
             self._enter(Stage.CARRIER_OWNED)
             blocks = self.recipe.select_blocks(skeleton)

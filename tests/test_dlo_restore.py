@@ -119,3 +119,26 @@ def test_tied_parameters_are_restored_in_every_owner(tmp_path):
     assert not skel.final_norm.weight.is_meta
     x = torch.randn(2, 8)
     assert torch.equal(skel(x), model(x))
+
+
+def test_guard_hashes_nothing_inside_the_read_only_mapping(tmp_path, monkeypatch):
+    import importlib
+
+    r = importlib.import_module("dlo_runtime.restore")  # the package exports a function of the same name
+
+    art = make_artifact(tmp_path, reference(2))
+    skel = skeleton(2)
+    restore(skel, art)
+    calls = []
+    real = r._digest
+    monkeypatch.setattr(r, "_digest", lambda t: (calls.append(1), real(t))[1])
+    finalize_shared(skel, lambda m: m.eval(), regions=art.regions())
+    assert calls == []  # O(tensors), not O(bytes): pointers prove PROT_READ bytes
+    finalize_shared(skel, lambda m: m.eval())
+    assert len(calls) == 2 * len(skel.state_dict())  # without regions: every tensor, twice
+
+    def swap(m):
+        m.embed.weight = nn.Parameter(m.embed.weight.detach().clone())
+
+    with pytest.raises(FailedPrecondition, match="embed.weight: data pointer moved"):
+        finalize_shared(skel, swap, regions=art.regions())
