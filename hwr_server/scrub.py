@@ -67,9 +67,11 @@ class Scrubber:
             self.skipped_leased_total += 1
             return 0
         problems: list[str]
+        bad: tuple[str, ...] = ()
         try:
             result = self.store.verify(key)
             ok, problems, nbytes = bool(result.ok), list(result.problems), int(result.bytes_checked)
+            bad = tuple(getattr(result, "bad_blobs", ()))
         except DataLoss as exc:
             ok, problems, nbytes = False, [str(exc)], 0
         except (NotFound, FailedPrecondition):
@@ -80,14 +82,18 @@ class Scrubber:
         if not ok:
             self.corrupt_total += 1
             log.error("scrub: artifact %s is corrupt: %s", key[:16], "; ".join(problems[:5]))
-            self._quarantine(key, problems)
+            self._quarantine(key, problems, bad)
         return nbytes
 
-    def _quarantine(self, key: str, problems: list[str]) -> None:
+    def _quarantine(self, key: str, problems: list[str], bad: tuple[str, ...]) -> None:
         if key not in set(self.store.keys()):
-            return  # verify already quarantined it
+            return  # someone else quarantined or deleted it meanwhile
+        reason = "scrub: " + (problems[0] if problems else "verification failed")
         try:
-            self.store.quarantine(key, "scrub: " + (problems[0] if problems else "verification failed"))
+            if bad:
+                self.store.quarantine(key, reason, bad_blobs=bad)
+            else:
+                self.store.quarantine(key, reason)
         except (NotFound, FailedPrecondition) as exc:
             log.info("scrub: quarantine of %s not needed: %s", key[:16], exc)
 
