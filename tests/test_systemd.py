@@ -187,3 +187,22 @@ def test_daemon_notifies_ready_after_recovery_and_stopping_on_sigterm(make_daemo
         msgs.append(sock.recv(4096).decode())
     assert msgs[-1].split("\n")[0] == "STOPPING=1"
     assert d.proc.wait(60) == 0
+
+
+def test_install_script_stages_files(tmp_path):
+    import subprocess
+
+    script = REPO / "deploy" / "install.sh"
+    out = subprocess.run(["bash", str(script)], env={"DESTDIR": str(tmp_path), "HWR_BIN": "/opt/hwr/bin/hwr",
+                                                     "PATH": os.environ["PATH"]},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    unit = (tmp_path / "etc/systemd/system/hwr.service").read_text()
+    assert "ExecStart=/opt/hwr/bin/hwr serve --config /etc/hwr/hwr.toml" in unit
+    assert (tmp_path / "usr/lib/tmpfiles.d/hwr.conf").exists()
+    ServerConfig.from_file(str(tmp_path / "etc/hwr/hwr.toml")).validate()
+    # A second run keeps the operator's edited config.
+    (tmp_path / "etc/hwr/hwr.toml").write_text('capacity = "1TiB"\n')
+    subprocess.run(["bash", str(script)], env={"DESTDIR": str(tmp_path), "PATH": os.environ["PATH"]}, check=True,
+                   capture_output=True, timeout=60)
+    assert (tmp_path / "etc/hwr/hwr.toml").read_text() == 'capacity = "1TiB"\n'
