@@ -1,0 +1,198 @@
+"""Publication throughput: ordered vs unordered against the raw limits of the
+same machine, measured in ONE run.
+
+Artifact: SIZE bytes in BLOCKS blocks (two bf16 tensors each) plus a small
+base file, published through the real daemon (``hwr serve`` on temp sockets,
+started the way tests/daemon.py does) with the default 512 MiB file target.
+
+- ``raw_write_fsync``: the same bytes written to files of the same sizes on
+  the same filesystem, each fsynced (what `cp` + `sync` would cost);
+- ``sha256_1core``: hashlib SHA-256 over the same bytes on one core;
+- ``ordered``: ``client.publish(..., ordered=True)``: hash while writing,
+  background fsync, zero read-back;
+- ``unordered``: ``client.publish(..., ordered=False)``: shuffled chunks,
+  pwrite, read-back hashing at commit.
+
+Also reported: the daemon's ``read_bytes`` (from /proc/<pid>/io, block-device
+reads; must be ~0 of the payload for ordered) and ``rchar`` (every read
+syscall) during each publication, and the daemon's peak RSS (VmHWM).
+Target: ordered >= 0.8 x min(raw_write_fsync, sha256_1core).
+
+    python bench/publish.py            # 2 GiB, 40 blocks
+    python bench/publish.py --quick    # 128 MiB, seconds; what the test runs
+
+Prints a table and writes JSON (default bench/results/publish.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+from hwr_client.plan import build_plan, check_plan, iter_payload  # noqa: E402
+from hwr_server.config import parse_size  # noqa: E402
+from tests.daemon import cleanup, make_daemon  # noqa: E402
+
+MB = 1e6
+
+
+def make_tensors(size: int, blocks: int) -> dict[str, torch.Tensor]:
+    """``blocks`` blocks of ~size/blocks bytes (weight + bias, bf16, random
+    bits so nothing compresses), plus a small embedding."""
+    per = size // blocks // 2  # bytes per block, bf16
+    gen = torch.Generator().manual_seed(0)
+    out = {"embed.weight": torch.randint(-(2**15), 2**15, (4096,), dtype=torch.int16, generator=gen).view(torch.bfloat16)}
+    for i in range(blocks):
+        w = torch.randint(-(2**15), 2**15, (per - 1024,), dtype=torch.int16, generator=gen)
+        out[f"blocks.{i}.weight"] = w.view(torch.bfloat16)
+        out[f"blocks.{i}.bias"] = torch.randint(-(2**15), 2**15, (1024,), dtype=torch.int16, generator=gen).view(
+            torch.bfloat16)
+    return out
+
+
+def identity(tag: str) -> dict:
+    return {
+        "contract": {"name": "bench", "version": 1},
+        "sources": [{"name": "model.safetensors", "content_id": "sha256:" + "cd" * 32}],
+        "representation": {"dtype": "bfloat16"},
+        "layout": {"tp_rank": 0, "tp_size": 1, "sp_size": 1, "sp_backend": "none"},
+        "producer": {"id": "bench", "version": "1"},
+        "extra": {"run": tag, "t": time.time_ns()},
+    }
+
+
+def raw_write_fsync(directory: str, tensors: dict[str, torch.Tensor]) -> tuple[float, int]:
+    """Writes the plan's files (header + payload) with plain write + fsync."""
+    checked = check_plan(build_plan(identity("raw"), tensors))
+    total = 0
+    t0 = time.perf_counter()
+    for i, lay in enumerate(checked.layouts):
+        path = os.path.join(directory, f"raw-{i}.safetensors")
+        with open(path, "wb", buffering=0) as f:
+            f.write(lay.header)
+            for _, data in iter_payload(lay, tensors, 4 << 20):
+                f.write(data)
+            os.fsync(f.fileno())
+        total += lay.file_size
+    seconds = time.perf_counter() - t0
+    for i in range(len(checked.layouts)):
+        os.unlink(os.path.join(directory, f"raw-{i}.safetensors"))
+    return seconds, total
+
+
+def sha_1core(tensors: dict[str, torch.Tensor]) -> tuple[float, int]:
+    from hwr_client.plan import tensor_bytes
+
+    h, total = hashlib.sha256(), 0
+    t0 = time.perf_counter()
+    for t in tensors.values():
+        data = tensor_bytes(t)
+        h.update(data)
+        total += len(data)
+    return time.perf_counter() - t0, total
+
+
+def proc_io(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def vm_hwm_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) * 1024
+
+
+def publish_once(daemon, tensors: dict[str, torch.Tensor], ordered: bool) -> dict:
+    pid = daemon.proc.pid
+    with daemon.client() as client:
+        before = proc_io(pid)
+        t0 = time.perf_counter()
+        report = client.publish(identity("ordered" if ordered else "unordered"), tensors, ordered=ordered)
+        seconds = time.perf_counter() - t0
+        after = proc_io(pid)
+    return {
+        "seconds": seconds, "bytes": report.manifest.size_bytes, "MBps": report.manifest.size_bytes / seconds / MB,
+        "daemon_read_bytes": after["read_bytes"] - before["read_bytes"],
+        "daemon_rchar": after["rchar"] - before["rchar"], "key": report.key, "files": len(report.manifest.files),
+    }
+
+
+def run(size: int, blocks: int, directory: str) -> dict:
+    tensors = make_tensors(size, blocks)
+    raw_s, raw_bytes = raw_write_fsync(directory, tensors)
+    sha_s, sha_bytes = sha_1core(tensors)
+    daemon = make_daemon(pathlib.Path(directory), root=os.path.join(directory, "root")).start()
+    try:
+        ordered = publish_once(daemon, tensors, True)
+        unordered = publish_once(daemon, tensors, False)
+        peak = vm_hwm_bytes(daemon.proc.pid)
+    finally:
+        cleanup(daemon)
+    raw = raw_bytes / raw_s / MB
+    sha = sha_bytes / sha_s / MB
+    limit = min(raw, sha)
+    return {
+        "size_bytes": ordered["bytes"], "blocks": blocks, "files": ordered["files"], "cores": os.cpu_count(),
+        "raw_write_fsync_MBps": raw, "sha256_1core_MBps": sha, "limit_MBps": limit,
+        "ordered": ordered, "unordered": unordered,
+        "ordered_vs_limit": ordered["MBps"] / limit, "unordered_vs_limit": unordered["MBps"] / limit,
+        "ordered_vs_unordered": ordered["MBps"] / unordered["MBps"],
+        "ordered_read_fraction": ordered["daemon_read_bytes"] / ordered["bytes"],
+        "daemon_peak_rss_bytes": peak, "target_met": ordered["MBps"] >= 0.8 * limit,
+    }
+
+
+def print_table(r: dict) -> None:
+    rows = [
+        ("raw write+fsync", r["raw_write_fsync_MBps"], "", ""),
+        ("sha256 1 core", r["sha256_1core_MBps"], "", ""),
+        ("publish ordered", r["ordered"]["MBps"], f"{r['ordered_vs_limit']:.2f}", r["ordered"]["daemon_read_bytes"]),
+        ("publish unordered", r["unordered"]["MBps"], f"{r['unordered_vs_limit']:.2f}",
+         r["unordered"]["daemon_read_bytes"]),
+    ]
+    print(f"artifact: {r['size_bytes'] / 2**20:.0f} MiB, {r['blocks']} blocks, {r['files']} files, {r['cores']} cores")
+    print(f"{'path':20} {'MB/s':>9} {'x limit':>8} {'daemon read_bytes':>18}")
+    for name, mbps, ratio, read in rows:
+        print(f"{name:20} {mbps:9.0f} {ratio:>8} {read!s:>18}")
+    print(f"limit = min(raw, sha) = {r['limit_MBps']:.0f} MB/s; ordered/unordered = {r['ordered_vs_unordered']:.2f}; "
+          f"daemon peak RSS {r['daemon_peak_rss_bytes'] / 2**20:.0f} MiB; "
+          f"ordered read fraction {r['ordered_read_fraction']:.4f}; target (>= 0.8 x limit) met: {r['target_met']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="2GiB", help="artifact payload size (default 2GiB)")
+    parser.add_argument("--blocks", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="128 MiB: a smoke run")
+    parser.add_argument("--dir", help="where the store and raw files go (default: a temp dir under /var/tmp)")
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "publish.json"))
+    args = parser.parse_args(argv)
+    size = parse_size("128MiB" if args.quick else args.size)
+    directory = tempfile.mkdtemp(prefix="hwr-bench-publish-", dir=args.dir or "/var/tmp")
+    try:
+        result = run(size, args.blocks, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    result["command"] = " ".join([os.path.basename(sys.executable), "bench/publish.py", *(argv or sys.argv[1:])])
+    print_table(result)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
