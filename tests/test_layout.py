@@ -1,0 +1,106 @@
+"""The shared layout and plan modules: aligned safetensors files, strict
+header parsing, block derivation and plan checks."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hwr_client.errors import InvalidArgument
+from hwr_client.layout import ALIGN, MAX_HEADER_BYTES, TensorSpec, layout_file, parse_header
+from hwr_client.local import write_artifact
+from hwr_client.plan import BlockSpec, build_plan, check_plan, derive_blocks
+from tests.conftest import identity, sample_tensors
+
+
+def test_every_tensor_is_aligned_and_the_file_is_valid_safetensors(tmp_path):
+    tensors = sample_tensors(blocks=3)
+    plan = build_plan(identity(t="layout"), tensors, file_target_bytes=3000)
+    manifest, paths = write_artifact(str(tmp_path), plan, tensors)
+    for f, path in zip(manifest.files, paths):
+        assert f.data_start % ALIGN == 0
+        loaded = load_file(path)
+        for t in manifest.tensors:
+            if t.file == f.index:
+                assert t.offset % ALIGN == 0
+                assert torch.equal(loaded[t.name], tensors[t.name])
+        with open(path, "rb") as fh:
+            header = parse_header(fh, f.size)
+        assert {e.name for e in header.tensors()} == {t.name for t in manifest.tensors if t.file == f.index}
+    for b in manifest.blocks:
+        assert manifest.tensor(b.tensors[0]).offset == b.begin
+
+
+def test_padding_ranges_cover_the_gaps():
+    lay = layout_file([TensorSpec("a", "U8", (3,)), TensorSpec("b", "F32", (5,)), TensorSpec("c", "BF16", (1,))])
+    assert lay.tensor_offsets == (0, 64, 128)
+    assert lay.padding_ranges() == [(3, 64), (84, 128)]
+    assert lay.data_size == 130 and lay.data_start % ALIGN == 0
+
+
+def _header_file(header: dict, data: bytes = b"") -> tuple[io.BytesIO, int]:
+    raw = json.dumps(header).encode()
+    blob = struct.pack("<Q", len(raw)) + raw + data
+    return io.BytesIO(blob), len(blob)
+
+
+@pytest.mark.parametrize(
+    "header, data, fragment",
+    [
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, "expected 8"),
+        ({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 2, "unknown dtype"),
+        ({"w": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}, b"\0" * 3, "holes and overlaps"),
+        ({"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 5, "data region ends"),
+        ({"w": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 0]}}, b"", "bad shape"),
+        ({"w": {"shape": [2]}}, b"", "needs dtype"),
+    ],
+)
+def test_parse_header_is_strict(header, data, fragment):
+    f, size = _header_file(header, data)
+    with pytest.raises(InvalidArgument, match=fragment):
+        parse_header(f, size, what="x.safetensors")
+
+
+def test_parse_header_refuses_huge_and_truncated_lengths():
+    f = io.BytesIO(struct.pack("<Q", MAX_HEADER_BYTES + 1))
+    with pytest.raises(InvalidArgument, match="limit"):
+        parse_header(f, 8, what="big")
+    with pytest.raises(InvalidArgument, match="truncated"):
+        parse_header(io.BytesIO(b"\1\2"), 2, what="tiny")
+    with pytest.raises(InvalidArgument, match="past the end"):
+        parse_header(io.BytesIO(struct.pack("<Q", 50) + b"{}"), 10, what="short")
+
+
+def test_blocks_are_derived_from_names_in_numeric_order():
+    names = ["embed", "layers.10.w", "layers.2.w", "layers.2.b", "transformer_blocks.0.x", "norm"]
+    assert derive_blocks(names) == [
+        ("layers.2.", ["layers.2.w", "layers.2.b"]), ("layers.10.", ["layers.10.w"]),
+        ("transformer_blocks.0.", ["transformer_blocks.0.x"]),
+    ]
+
+
+def test_plan_keeps_non_block_tensors_apart_and_blocks_whole():
+    tensors = sample_tensors(blocks=4)
+    plan = build_plan(identity(t="p"), tensors, file_target_bytes=2500)
+    checked = check_plan(plan)
+    assert plan.files[0].name == "base.safetensors"
+    assert {t.name for t in plan.files[0].tensors} == {"embed.weight", "final_norm.weight"}
+    for b in checked.blocks:
+        names = {t.name for t in plan.files[b.file].tensors}
+        assert set(b.tensors) <= names
+
+
+def test_plan_rejects_a_block_split_across_positions():
+    tensors = sample_tensors(blocks=2)
+    plan = build_plan(identity(t="split"), tensors)
+    b0 = plan.blocks[0]
+    broken = BlockSpec(0, b0.prefix, (b0.tensors[0], plan.blocks[1].tensors[0]))
+    import dataclasses
+
+    with pytest.raises(InvalidArgument, match="adjacent"):
+        check_plan(dataclasses.replace(plan, blocks=(broken,)))
