@@ -226,3 +226,33 @@ def test_plan_declared_tensor_digest_is_checked(tmp_path):
         pub.close()
     assert store.keys() == [] and os.listdir(store.staging_dir) == [] and os.listdir(store.blobs_dir) == []
     assert isinstance(msg, pb.PublishPlan)
+
+
+@pytest.mark.parametrize("step", ["payload-durable", "blobs-installed", "manifest-durable", "published"])
+def test_crash_at_each_commit_step_recovers_to_all_or_nothing(tmp_path, step):
+    """A child process dies (os._exit, no cleanup) at a commit step; recovery
+    then shows the artifact whole (after the publish point) or not at all."""
+    store = make_store(tmp_path)
+    tensors = sample_tensors()
+    plan = build_plan(identity(t=f"crash-{step}"), tensors, file_target_bytes=2000)
+    pid = os.fork()
+    if pid == 0:  # child: publish and die at `step`
+        def die(at):
+            if at == step:
+                os._exit(17)
+
+        store.failpoint = die
+        try:
+            publish_inproc(store, plan, tensors)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 17
+    assert os.listdir(store.staging_dir)  # the crash left its staging behind
+    fresh = Store(store.config)
+    report = fresh.recover()
+    assert os.listdir(fresh.staging_dir) == [] and report.staging_removed == 1
+    if step == "published":
+        assert fresh.keys() == [plan.identity.key] and fresh.verify(plan.identity.key).ok
+    else:
+        assert fresh.keys() == [] and os.listdir(fresh.blobs_dir) == [] and os.listdir(fresh.artifacts_dir) == []
