@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -76,11 +77,12 @@ class Snapshot:
     #: Unix seconds the snapshot was taken (for "last leased N s ago").
     taken_unix: float = 0.0
 
-    @property
+    @functools.cached_property
     def blob_sizes(self) -> dict[str, int]:
+        """blob -> size, each blob once (computed once per snapshot)."""
         return {b: size for a in self.artifacts for b, size in a.blobs}
 
-    @property
+    @functools.cached_property
     def usage(self) -> int:
         """Accounted bytes: each blob once, staging, quarantine, deleted-mapped."""
         return (sum(self.blob_sizes.values()) + sum(d.bytes for d in self.staging)

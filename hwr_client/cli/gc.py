@@ -18,6 +18,24 @@ def _human(n: int) -> str:
     return str(n)
 
 
+def _rows(items: list[dict]) -> list[list[str]]:
+    """Table rows; an artifact row shows (in parentheses) the bytes of the
+    blob rows that follow it, which are what its removal frees."""
+    rows = []
+    for n, i in enumerate(items):
+        size = _human(i["bytes"])
+        if i["kind"] == "artifact":
+            freed = 0
+            for j in items[n + 1:]:
+                if j["kind"] != "blob":
+                    break
+                freed += j["bytes"]
+            size = f"({_human(freed)})"
+        name = i["name"][:16] if i["kind"] in ("artifact", "blob") else i["name"]
+        rows.append([i["kind"] if i["kind"] != "blob" else "  blob", name, size, i["reason"]])
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the command; returns the exit code."""
     target = parse_size(args.target) if args.target else 0
@@ -31,8 +49,7 @@ def run(args: argparse.Namespace) -> int:
                     "deferred_reason": reply.deferred_reason, "dry_run": args.dry_run})
         return 0
     if items:
-        print_table([[i["kind"], i["name"][:16], _human(i["bytes"]), i["reason"]] for i in items],
-                    ["KIND", "NAME", "BYTES", "REASON"])
+        print_table(_rows(items), ["KIND", "NAME", "BYTES", "REASON"])
     verb = "would free" if not reply.executed else "freed"
     print(f"{verb} {_human(reply.bytes_freed)} in {len(items)} items; usage "
           f"{_human(reply.usage_before)} -> {_human(reply.usage_after)}")
