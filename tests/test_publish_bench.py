@@ -22,4 +22,6 @@ def test_bench_publish_quick(tmp_path):
     assert result["ordered"]["MBps"] > 0 and result["unordered"]["MBps"] > 0
     # Ordered publication hashes while writing: it reads (almost) none of the payload back.
     assert result["ordered"]["daemon_read_bytes"] < result["size_bytes"] // 100
+    assert result["ordered"]["daemon_rchar"] < result["size_bytes"] // 100  # not even from the page cache
+    assert result["unordered"]["daemon_rchar"] >= result["size_bytes"]  # its read-back, for contrast
     assert "publish ordered" in proc.stdout
