@@ -76,6 +76,8 @@ class DirEntry:
 
     name: str
     bytes: int
+    #: staging only: a publication (or a delete) is using it right now.
+    in_flight: bool = False
 
 
 def dir_bytes(path: str) -> int:
@@ -244,7 +246,17 @@ class Store:
         return out
 
     def staging_entries(self) -> list[DirEntry]:
-        return [DirEntry(n, dir_bytes(os.path.join(self.staging_dir, n))) for n in sorted(os.listdir(self.staging_dir))]
+        """Staging directories; ``in_flight`` marks those a running publication
+        (or a delete in progress) owns."""
+        active = self._active_staging()
+        return [
+            DirEntry(n, dir_bytes(os.path.join(self.staging_dir, n)), n in active or n.startswith("delete-"))
+            for n in sorted(os.listdir(self.staging_dir))
+        ]
+
+    def _active_staging(self) -> set[str]:
+        with self._lock:
+            return set(self._publishing.values())
 
     def quarantine_entries(self) -> list[DirEntry]:
         return [
@@ -366,10 +378,17 @@ class Store:
         os.mkdir(path, 0o700)
         return path
 
-    def remove_staging(self, name: str) -> None:
-        """Removes one staging directory (GC and aborted publications)."""
+    def remove_staging(self, name: str) -> bool:
+        """Removes one staging directory that no running publication owns.
+
+        Returns:
+            False when it is in flight (kept), True when removed.
+        """
         _check_entry(name)
+        if name in self._active_staging():
+            return False
         shutil.rmtree(os.path.join(self.staging_dir, name), ignore_errors=True)
+        return True
 
     def remove_quarantine(self, name: str) -> None:
         """Removes one quarantine directory and forgets it."""

@@ -256,3 +256,19 @@ def test_crash_at_each_commit_step_recovers_to_all_or_nothing(tmp_path, step):
         assert fresh.keys() == [plan.identity.key] and fresh.verify(plan.identity.key).ok
     else:
         assert fresh.keys() == [] and os.listdir(fresh.blobs_dir) == [] and os.listdir(fresh.artifacts_dir) == []
+
+
+def test_staging_of_a_running_publication_is_in_flight_and_kept(tmp_path):
+    store = make_store(tmp_path)
+    pub = Publication.begin(store, to_proto(build_plan(identity(t="inflight"), sample_tensors())))
+    try:
+        [entry] = store.staging_entries()
+        assert entry.name == pub.pub_id and entry.in_flight and entry.bytes > 0
+        assert store.remove_staging(entry.name) is False and os.path.isdir(pub.staging)
+    finally:
+        pub.close()
+    os.mkdir(os.path.join(store.staging_dir, "stale"))
+    [stale] = store.staging_entries()
+    assert not stale.in_flight and store.remove_staging("stale") and store.staging_entries() == []
+    with pytest.raises(InvalidArgument):
+        store.remove_staging("../artifacts")
