@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import HwrError, Internal, InvalidArgument, from_rpc_error
+from hwr_client.errors import Internal, InvalidArgument, from_rpc_error
 from hwr_client.identity import Identity
 from hwr_client.layout import TensorSpec
 from hwr_client.manifest import Manifest
@@ -259,4 +259,4 @@ def publish(
                          time.monotonic() - t0)
 
 
-__all__ = ["MESSAGE_BYTES", "PublishReport", "publish", "HwrError"]
+__all__ = ["MESSAGE_BYTES", "PublishReport", "publish"]

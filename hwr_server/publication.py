@@ -34,6 +34,7 @@ import queue
 import shutil
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -56,7 +57,7 @@ QUEUE_DEPTH = 4
 WRITEBACK_BYTES = 64 * 1024 * 1024
 #: Read size of the read-back hashers (unordered commit, verify).
 READ_BYTES = 8 * 1024 * 1024
-_HEX64 = "0123456789abcdef"
+_HEX_DIGITS = "0123456789abcdef"
 
 
 # ---------------------------------------------------------------------------
@@ -287,6 +288,15 @@ def _os_error(exc: OSError, what: str) -> HwrError:
     return Internal(f"{what}: {exc.strerror or exc}")
 
 
+def _fsync_dir(path: str) -> None:
+    """fsync a directory so the renames/creations of its entries survive a crash."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _pwrite_all(fd: int, data: Any, offset: int) -> None:
     mv = memoryview(data)
     while mv:
@@ -389,8 +399,6 @@ class Publication:
         except HwrError:
             store.count("rejected")
             raise
-        import uuid
-
         pub = cls(store, checked, uuid.uuid4().hex[:16], declared)
         try:
             pub._open(is_active)
@@ -617,14 +625,12 @@ class Publication:
             raise FailedPrecondition(f"publication {self.pub_id} of {self.key[:12]}: " + "; ".join(bad))
 
     def _install(self, manifest: Manifest) -> str:
-        from hwr_server.store import fsync_dir
-
         # 3. Payloads into blobs/ (dropped when the blob exists); blobs/ fsynced so the
         #    renames are durable before a manifest refers to them.
         for i, f in enumerate(manifest.files):
             if self.store.install_blob(self.key, self._file_path(i), f.blob, f.size):
                 self._moved.append(f.blob)
-        fsync_dir(self.store.blobs_dir)
+        _fsync_dir(self.store.blobs_dir)
         self._failpoint("blobs-installed")
         # 4. Manifest written and fsynced, then its directory (its entry must survive the rename).
         text = manifest.to_json()
@@ -636,7 +642,7 @@ class Publication:
             os.fsync(fd)  # manifest durable before the rename publishes it
         finally:
             os.close(fd)
-        fsync_dir(art)
+        _fsync_dir(art)
         self._failpoint("manifest-durable")
         # 5. The publish point: rename into artifacts/ + fsync artifacts/ (in the store, under its lock).
         self.store.publish_dir(self.key, art, manifest)
@@ -685,7 +691,7 @@ def _declared_tensors(msg: pb.PublishPlan) -> dict[str, str]:
     for f in msg.files:
         for t in f.tensors:
             if t.declared_sha256:
-                if len(t.declared_sha256) != 64 or any(c not in _HEX64 for c in t.declared_sha256):
+                if len(t.declared_sha256) != 64 or any(c not in _HEX_DIGITS for c in t.declared_sha256):
                     raise InvalidArgument(f"publication plan: tensor {t.name!r} declared_sha256 must be 64 lowercase hex")
                 out[t.name] = t.declared_sha256
     return out

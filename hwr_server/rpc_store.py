@@ -17,6 +17,7 @@ from hwr_client._proto import hwr_pb2 as pb
 from hwr_client.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from hwr_client.identity import check_key
 from hwr_server.publication import Publication
+from hwr_server.store import summary_of
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +128,6 @@ def inspect(daemon: Any, request: pb.InspectArtifactRequest, context: grpc.Servi
     q = store.quarantined(key)
     if store.contains(key) or q is None:
         manifest, _ = store.get(key)  # NotFound when neither published nor quarantined
-        from hwr_server.store import summary_of
-
         leases = _leases(daemon)
         holders = list(leases.holders(key)) if leases is not None else []
         return pb.InspectArtifactReply(

@@ -26,10 +26,11 @@ import time
 import uuid
 from typing import Callable
 
-from hwr_client.errors import FailedPrecondition, NotFound, ResourceExhausted
+from hwr_client.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.identity import check_key
 from hwr_client.manifest import Manifest
 from hwr_server.config import ServerConfig
+from hwr_server.publication import verify_artifact
 
 log = logging.getLogger(__name__)
 
@@ -307,8 +308,6 @@ class Store:
         Raises:
             Aborted: another publication of the key is in flight.
         """
-        from hwr_client.errors import Aborted
-
         with self._lock:
             if key in self._index:
                 return True
@@ -414,8 +413,6 @@ class Store:
             NotFound / FailedPrecondition: as :meth:`get`.
         """
         manifest, paths = self.get(key)
-        from hwr_server.publication import verify_artifact
-
         problems, bad, checked = verify_artifact(manifest, paths, threads=self._threads())
         with self._lock:
             self._bad_blobs.update(bad)
@@ -548,8 +545,6 @@ class Store:
 
 
 def _check_entry(name: str) -> None:
-    from hwr_client.errors import InvalidArgument
-
     if not name or "/" in name or name in (".", "..") or "\x00" in name:
         raise InvalidArgument(f"store entry {name!r}: expected a plain directory name")
 
