@@ -265,7 +265,7 @@ def start_worker(opts: WorkerOptions) -> Worker:
         stats = worker.handle.stats
         report.device_buffer_bytes, report.staging_bytes = 2 * stats.buffer_bytes, 2 * stats.staging_bytes
     report.startup_s = round(phases.total(), 6)
-    report.phases = phases.out
+    report.phases = {**phases.out, **report.phases}
     log.info("worker started: %s in %.3fs (materialized %d bytes, %d producer calls)",
              report.outcome, report.startup_s, report.bytes_materialized, report.producer_calls)
     return worker
@@ -298,6 +298,9 @@ def _start_offloaded(opts: WorkerOptions, contract: Contract, phases: _Phases) -
     phases.mark("backend")
     report = StartupReport(result.outcome.value, key=identity.key if identity else "",
                            trail=[f"{s.what}: {s.note}" if s.note else s.what for s in result.trail])
+    # Seconds from each trail step to the next (where the start spent its time).
+    steps = list(result.trail)
+    report.phases.update({f"tx.{a.what}": round(b.at - a.at, 6) for a, b in zip(steps, steps[1:])})
     worker = Worker(opts, contract, result.model, report, handle=result.backend, client=client, identity=identity)
     worker._publish_pending = bool(pending)
     return worker

@@ -148,8 +148,10 @@ def daemon_for(args: argparse.Namespace, workdir: str) -> Iterator[str]:
     sockdir = tempfile.mkdtemp(prefix="hwr-demo-", dir="/tmp")  # socket paths must fit 108 bytes
     sock, admin = os.path.join(sockdir, "hwr.sock"), os.path.join(sockdir, "admin.sock")
     log_path = os.path.join(workdir, "daemon.log")
+    # The checkpoints live under workdir: as a source root, the daemon hashes
+    # each canonical file once and later workers get cached content ids.
     cmd = [sys.executable, "-m", "hwr_client.cli", "serve", "--root", os.path.join(workdir, "root"),
-           "--socket", sock, "--admin-socket", admin]
+           "--socket", sock, "--admin-socket", admin, "--source-root", workdir]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
