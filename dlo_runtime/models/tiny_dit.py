@@ -108,12 +108,13 @@ class TinyDiTConfig:
     def for_size(cls, nbytes: int, *, hidden: int | None = None) -> "TinyDiTConfig":
         """A config whose fp32 checkpoint is about ``nbytes``.
 
-        Width grows with size (64 for a few MiB up to 1024 at 1 GiB and above)
-        and depth fills the rest, so block count stays realistic (8–64).
+        Width grows with size (64 for a few MiB, 512 at 1 GiB, 2048 at 8 GiB)
+        and depth fills the rest, so the block count stays like real DiTs'
+        (FLUX has 57 blocks): 14–60.
         """
         if hidden is None:
             hidden = 64
-            while hidden < 2048 and cls(hidden=hidden * 2, heads=max(4, hidden * 2 // 64)).block_bytes_fp32() * 12 <= nbytes:
+            while hidden < 2048 and cls(hidden=hidden * 2, heads=max(4, hidden * 2 // 64)).block_bytes_fp32() * 24 <= nbytes:
                 hidden *= 2
         heads = max(4, hidden // 64)
         probe = cls(hidden=hidden, heads=heads)
