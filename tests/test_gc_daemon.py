@@ -220,7 +220,7 @@ def test_forced_delete_of_leased_artifact_counts_as_deleted_mapped(make_daemon_f
 def test_restart_during_gc(make_daemon_fixture, tmp_path):
     d = make_daemon_fixture()
     with d.client() as c:
-        reports = [publish(c, f"r{i}", 6, blocks=3) for i in range(8)]
+        reports = [publish(c, f"r{i}", 1, blocks=2) for i in range(24)]
     # Start a collection of everything and kill the daemon while it runs.
     import subprocess
     import sys
@@ -242,9 +242,10 @@ def test_restart_during_gc(make_daemon_fixture, tmp_path):
         wait_ready(c)
         survivors = keys(c)
         assert survivors <= {r.key for r in reports}
-        for key in survivors:
-            v = d.cli("verify", key)
-            assert v.returncode == 0, v.stdout + v.stderr
+        from hwr_client._proto import hwr_pb2 as pb
+
+        verified = c.call(c.admin.VerifyArtifact, pb.VerifyArtifactRequest(all=True), timeout=300)
+        assert {r.key for r in verified.results} == survivors and all(r.ok for r in verified.results)
         # Every blob on disk belongs to a survivor; nothing half-deleted is visible.
         live = {f.blob for r in reports if r.key in survivors for f in r.manifest.files}
         on_disk = set(os.listdir(os.path.join(d.root, "blobs", "sha256")))
@@ -296,3 +297,24 @@ def test_gc_waits_out_the_lease_grace_period_after_restart(make_daemon_fixture, 
         res = collect(c, 1)  # the holder never came back: its lease is gone
         assert res["executed"] and {i["name"] for i in res["items"] if i["kind"] == "artifact"} == {a.key, b.key}
         assert keys(c) == set()
+
+
+def test_background_thread_collects_above_high_watermark(make_daemon_fixture, tmp_path):
+    d = make_daemon_fixture()  # unlimited: fill it with 3 x 40 MiB
+    with d.client() as c:
+        reports = [publish(c, t, 40) for t in ("bg1", "bg2", "bg3")]
+    d.stop()
+    conf = tmp_path / "bg.toml"
+    conf.write_text('capacity = "100MiB"\ngc_interval_s = 0.2\n')
+    d.extra_args += ["--config", str(conf)]
+    d.start()
+    with d.client() as c:
+        wait_ready(c)
+        deadline = time.monotonic() + 60
+        while len(keys(c)) == 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s = stats(c)
+        # 120 MiB > 90 MiB (high): collected down to <= 80 MiB (low), oldest first.
+        assert keys(c) == {reports[2].key}
+        assert s["hwr_store_accounted_bytes"] <= 80 * MiB
+        assert s["hwr_gc_runs_total"] == 1 and s["hwr_gc_artifacts_deleted_total"] == 2
