@@ -357,9 +357,22 @@ def run(opts: WorkerOptions, *, forward: bool, publish: bool, seed: int = 0) -> 
         result["forward_s"] = round(time.perf_counter() - t0, 6)
         result["output_sha256"] = output_digest(out)
     if publish:
-        worker.publish()
+        worker.publish(progress=_progress_printer(f"worker {os.getpid()}: publishing"))
     result.update(worker.report.to_dict())
     return worker, result
+
+
+def _progress_printer(what: str) -> Any:
+    """A progress callback printing ``what`` at every further 25% to stderr."""
+    last = [-1]
+
+    def show(done: int, total: int) -> None:
+        step = 100 * done // max(total, 1) // 25 * 25
+        if step > last[0]:
+            last[0] = step
+            print(f"      {what} {step:3d}%  ({done >> 20} / {total >> 20} MiB)", file=sys.stderr, flush=True)
+
+    return show
 
 
 def main(argv: list[str] | None = None) -> int:
