@@ -11,7 +11,11 @@ One invocation, one daemon on a temporary root, one artifact per size:
 - ``load_file``: ``safetensors.torch.load_file(blob)`` for every payload file
   of the SAME artifact (the blobs are safetensors files), default backend;
 - ``load_file pread``: the same with ``backend="pread"`` (this safetensors
-  version, 0.8, supports it).
+  version, 0.8, supports it);
+- ``hwr verify=fast`` / ``verify=full``: resolve with lease-time
+  verification (xxh3-128 of every file and block / SHA-256 of every file
+  and tensor), timed on its own in the same process: artifact bytes / that
+  time is the verification throughput (GB/s).
 
 All bytes are in the page cache for every variant (the artifact was just
 written): this compares the best case of the private copy with HWR.
@@ -50,7 +54,7 @@ import torch  # noqa: E402
 import hwr_client  # noqa: E402
 from hwr_client.cli.demo import daemon_for, human, parse_size  # noqa: E402
 
-VARIANTS = ("hwr", "hwr+touch", "load_file", "load_file pread")
+VARIANTS = ("hwr", "hwr+touch", "load_file", "load_file pread", "hwr verify=fast", "hwr verify=full")
 
 
 def bench_identity(tag: str) -> dict[str, Any]:
@@ -98,6 +102,7 @@ def child(args: argparse.Namespace) -> None:
     from hwr_client.resolve import resolve
 
     paths = args.paths.split(",") if args.paths else []
+    extra: dict[str, float] = {}
     t0 = time.perf_counter()
     if args.child.startswith("hwr"):
         client = hwr_client.connect(args.socket)
@@ -106,6 +111,11 @@ def child(args: argparse.Namespace) -> None:
             raise SystemExit(f"expected LOCAL_HIT, got {res.outcome}: {res.reason}")
         views = res.lease.tensors()
         n = len(views)
+        if "verify=" in args.child:  # what resolve(verify=...) adds, timed on its own
+            t1 = time.perf_counter()
+            report = res.lease.verify(args.child.split("verify=")[1])
+            extra["verify_s"] = time.perf_counter() - t1
+            assert report.ok, report.problems
         if args.child == "hwr+touch":
             for i in range(len(res.lease.manifest.files)):
                 res.lease.file_bytes(i)[::4096].sum()  # one byte of every page
@@ -116,20 +126,20 @@ def child(args: argparse.Namespace) -> None:
             views.update(load_file(p, backend=backend))
         n = len(views)
     seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "tensors": n}), flush=True)
+    print(json.dumps({"seconds": seconds, "tensors": n, **extra}), flush=True)
 
 
-def measure(args: argparse.Namespace, socket: str, variant: str, tag: str, paths: list[str]) -> float:
-    """Median seconds of ``variant`` over ``args.repeat`` fresh processes."""
-    times = []
+def measure(args: argparse.Namespace, socket: str, variant: str, tag: str, paths: list[str]) -> dict[str, float]:
+    """Median figures of ``variant`` over ``args.repeat`` fresh processes."""
+    runs = []
     for _ in range(args.repeat):
         out = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--child", variant, "--socket", socket, "--tag", tag,
              "--paths", ",".join(paths)],
             capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=REPO),
         )
-        times.append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
-    return statistics.median(times)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "tensors"}
 
 
 def run_case(args: argparse.Namespace, client: hwr_client.Client, socket: str, size: int, count: int,
@@ -139,7 +149,10 @@ def run_case(args: argparse.Namespace, client: hwr_client.Client, socket: str, s
     row: dict[str, Any] = {"bytes": sum(os.path.getsize(p) for p in paths), "tensors": count, "files": len(paths),
                            "key": key}
     for v in variants:
-        row[f"{v}_s"] = measure(args, socket, v, tag, paths)
+        figures = measure(args, socket, v, tag, paths)
+        row[f"{v}_s"] = figures["seconds"]
+        if "verify_s" in figures:  # lease-time verification throughput over the whole artifact
+            row[f"{v.split('=')[1]}_verify_GBps"] = row["bytes"] / max(1e-9, figures["verify_s"]) / 1e9
     for v in variants:
         if v.startswith("load_file"):
             row[f"speedup_vs_{v.replace(' ', '_')}"] = row[f"{v}_s"] / row["hwr_s"]
@@ -149,6 +162,7 @@ def run_case(args: argparse.Namespace, client: hwr_client.Client, socket: str, s
 
 def print_rows(title: str, rows: list[dict[str, Any]], variants: tuple[str, ...]) -> None:
     print(f"\n{title}")
+    variants = tuple(v for v in variants if "verify=" not in v)  # printed as GB/s below
     head = ["size", "tensors"] + [f"{v} ms" for v in variants] + ["hwr speedup"]
     print("  ".join(f"{h:>16}" for h in head))
     for r in rows:
@@ -177,7 +191,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     print_rows("warm start: resolve -> all tensors usable (median of fresh processes)", [main_row], VARIANTS)
     print_rows("scaling with tensor count", scaling, ("hwr", "load_file pread"))
-    print(f"\nhwr: ~{doc['hwr_fixed_ms_estimate']:.1f} ms fixed + {per_tensor_ms * 1000:.1f} us/tensor; "
+    print(f"\nlease-time verification: fast {main_row['fast_verify_GBps']:.1f} GB/s, "
+          f"full {main_row['full_verify_GBps']:.2f} GB/s")
+    print(f"hwr: ~{doc['hwr_fixed_ms_estimate']:.1f} ms fixed + {per_tensor_ms * 1000:.1f} us/tensor; "
           f"speedup vs load_file: {main_row['speedup_vs_load_file']:.0f}x, "
           f"vs load_file pread: {main_row['speedup_vs_load_file_pread']:.0f}x")
     return doc

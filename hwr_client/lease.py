@@ -94,6 +94,11 @@ class Lease:
         """The mapped ranges (path, address, length) for CUDA registration."""
         return self._mapped.regions()
 
+    def verify(self, mode: str = "fast") -> "VerifyReport":
+        """Hashes the mapped bytes against the manifest (see
+        :func:`verify_mapped`); reports, never raises for a mismatch."""
+        return verify_mapped(self._mapped, mode)
+
     # -- state ------------------------------------------------------------------
 
     @property
@@ -287,7 +292,7 @@ def _release_quietly(session: Any, lease_id: str, key: str) -> None:
 
 
 def _verify_or_close(client: Any, lease: Lease, mode: str) -> None:
-    report = verify_mapped(lease._mapped, mode)
+    report = lease.verify(mode)
     if report.ok:
         return
     detail = "; ".join(report.problems[:20])

@@ -126,3 +126,24 @@ def test_write_through_a_view_faults_and_leaves_file_unchanged(artifact):
     assert "writing" in proc.stdout and "WROTE" not in proc.stdout
     assert proc.returncode == -signal.SIGSEGV, proc.stderr[-2000:]
     assert [open(p, "rb").read() for p in paths] == before
+
+
+def test_carrier_single_take_and_close_of_untaken(artifact):
+    from hwr_client import LeaseCarrier
+
+    _, manifest, paths = artifact
+    released = []
+    lease = Lease(manifest.key, "id-2", MappedArtifact(manifest, paths), release=released.append)
+    carrier = LeaseCarrier(lease)
+    with pytest.raises(TypeError):
+        pickle.dumps(carrier)
+    assert carrier.take() is lease and not carrier.owns
+    with pytest.raises(FailedPrecondition, match="already taken"):
+        carrier.take()
+    carrier.close()  # taken: closing the carrier leaves the lease to its owner
+    assert not lease.closed and released == []
+    lease.close()
+    other = Lease(manifest.key, "id-3", MappedArtifact(manifest, paths), release=released.append)
+    with LeaseCarrier(other):
+        pass  # never taken: closing the carrier closes the lease
+    assert other.closed and released == ["id-2", "id-3"]

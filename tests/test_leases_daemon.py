@@ -179,6 +179,9 @@ def test_double_release_garbage_and_foreign_ids(daemon):
         lease.close()  # and a close after it changes nothing
         lease.close()
         assert leases_json(daemon) == []
+        a.acquire(key)  # left open on purpose: closing the client ends its session
+    gone, _ = wait_for(lambda: stats(daemon)["hwr_sessions_active"] == 0, timeout=10)
+    assert gone and leases_json(daemon) == []
 
 
 def test_sigkill_holder_released_within_a_second(daemon, holders):
