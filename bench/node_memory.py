@@ -8,8 +8,12 @@ One invocation, one daemon on a temporary root:
 - ``hwr``: N processes that each acquire a lease and read one byte of every
   page of every tensor (all mapped pages resident and shared);
 - ``private``: N processes that each ``safetensors.torch.load_file`` every
-  blob of the same artifact (``backend="pread"`` where supported: a private
-  copy per process, what most loaders do).
+  blob of the same artifact with ``backend="pread"``: a private copy per
+  process, what most loaders end up with (they copy into their parameters);
+- ``load_file mmap``: the same with safetensors' default backend, which in
+  this version (0.8) maps the file MAP_PRIVATE (copy-on-write): read-only
+  use shares the page cache like HWR, but a write through a tensor silently
+  copies the page instead of faulting — shown for completeness.
 
 PSS (proportional set size, ``/proc/<pid>/smaps_rollup``) charges a shared
 page 1/k to each of its k mappers, so the sum over processes is the node's
@@ -41,7 +45,7 @@ import hwr_client  # noqa: E402
 from hwr_client.cli.demo import daemon_for, human, parse_size  # noqa: E402
 from warm_start import bench_identity, publish_synthetic  # noqa: E402
 
-MODES = ("baseline", "hwr", "private")
+MODES = ("baseline", "hwr", "private", "load_file mmap")
 
 
 def pss_kib(pid: int) -> int:
@@ -55,6 +59,7 @@ def pss_kib(pid: int) -> int:
 
 def child(args: argparse.Namespace) -> None:
     """Loads in one of MODES, touches every page, reports, waits for stdin."""
+    import torch
     from safetensors.torch import load_file
 
     held: Any = None
@@ -66,11 +71,15 @@ def child(args: argparse.Namespace) -> None:
         for i in range(len(held.manifest.files)):
             touched += int(held.file_bytes(i)[::4096].numel())  # counts pages
             held.file_bytes(i)[::4096].sum()  # reads one byte of every page
-    elif args.child == "private":
+    elif args.child in ("private", "load_file mmap"):
+        backend = "pread" if args.child == "private" else "mmap"
         held = {}
         for p in args.paths.split(","):
-            held.update(load_file(p, backend="pread"))
-        touched = sum(t.numel() * t.element_size() for t in held.values()) // 4096
+            held.update(load_file(p, backend=backend))
+        for t in held.values():
+            flat = t.view(-1).view(torch.uint8)
+            flat[::4096].sum()  # one byte of every page (a no-op cost for pread's resident copy)
+            touched += flat[::4096].numel()
     print(json.dumps({"pid": os.getpid(), "pages": touched}), flush=True)
     sys.stdin.readline()  # hold everything until the parent has read PSS
 
@@ -111,20 +120,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = rows["baseline"]["sum_pss_bytes"]
     hwr_extra = rows["hwr"]["sum_pss_bytes"] - base
     private_extra = rows["private"]["sum_pss_bytes"] - base
+    cow_extra = rows["load_file mmap"]["sum_pss_bytes"] - base
     doc = {
         "benchmark": "node_memory", "quick": args.quick, "workers": args.workers, "artifact_bytes": artifact,
         "tensors": args.tensors, "key": key, "rows": rows,
         "hwr_over_baseline_x_artifact": hwr_extra / artifact,
         "private_over_baseline_x_artifact": private_extra / artifact,
         "private_over_hwr": private_extra / max(1, hwr_extra),
+        "load_file_mmap_over_baseline_x_artifact": cow_extra / artifact,
         "targets": {"hwr_x_artifact_le": 1.1},
     }
     print(f"\nnode memory: {args.workers} workers, artifact {human(artifact)}, every page touched")
-    print(f"{'mode':>10}  {'sum PSS':>12}  {'above baseline':>15}  {'x artifact':>10}")
+    print(f"{'mode':>14}  {'sum PSS':>12}  {'above baseline':>15}  {'x artifact':>10}")
     for mode in MODES:
         total = rows[mode]["sum_pss_bytes"]
         extra = total - base
-        print(f"{mode:>10}  {human(total):>12}  {human(extra) if mode != 'baseline' else '-':>15}  "
+        print(f"{mode:>14}  {human(total):>12}  {human(extra) if mode != 'baseline' else '-':>15}  "
               f"{(extra / artifact) if mode != 'baseline' else 0:>10.2f}")
     print(f"\nhwr: {doc['hwr_over_baseline_x_artifact']:.2f} x artifact (target <= 1.1); private: "
           f"{doc['private_over_baseline_x_artifact']:.2f} x; private/hwr = {doc['private_over_hwr']:.1f}")
