@@ -375,8 +375,7 @@ class TinyDiTContract(Contract):
     def build_skeleton(self, checkpoint_dir: str) -> nn.Module:
         from dlo_runtime.models.tiny_dit import TinyDiT, TinyDiTConfig
 
-        with torch.device("meta"):
-            return TinyDiT(TinyDiTConfig.load(checkpoint_dir)).to_runtime_dtypes()
+        return TinyDiT(TinyDiTConfig.load(checkpoint_dir), "meta")
 
     def transforms(self, checkpoint_dir: str, model: nn.Module) -> list[Transform]:
         from dlo_runtime.models import tiny_dit

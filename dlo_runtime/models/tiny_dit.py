@@ -132,7 +132,28 @@ def runtime_dtype(name: str) -> torch.dtype:
     return torch.float32 if is_norm(name) else RUNTIME_DTYPE
 
 
-def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm, eps: float) -> torch.Tensor:
+class Linear(nn.Module):
+    """``y = x W^T + b`` with bf16 parameters created uninitialized on
+    ``device`` (meta for a skeleton): no init work, no dtype conversion, so a
+    skeleton costs O(tensors) and nothing else."""
+
+    def __init__(self, fan_in: int, fan_out: int, device: torch.device | str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(fan_out, fan_in, dtype=RUNTIME_DTYPE, device=device))
+        self.bias = nn.Parameter(torch.empty(fan_out, dtype=RUNTIME_DTYPE, device=device))
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm parameters (fp32, kept so at runtime)."""
+
+    def __init__(self, dim: int, device: torch.device | str):
+        super().__init__()
+        self.normalized_shape = (dim,)
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.empty(dim, dtype=torch.float32, device=device))
+
+
+def _layer_norm(x: torch.Tensor, norm: LayerNorm, eps: float) -> torch.Tensor:
     # Norms run in fp32 (their weights are fp32) and hand bf16 back.
     return F.layer_norm(x.float(), norm.normalized_shape, norm.weight, norm.bias, eps).to(x.dtype)
 
@@ -142,7 +163,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
-def _linear(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+def _linear(x: torch.Tensor, lin: Linear) -> torch.Tensor:
     return F.linear(x.to(lin.weight.dtype), lin.weight, lin.bias)
 
 
@@ -151,19 +172,19 @@ def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torc
 
 
 class RMSNormWeight(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, device: torch.device | str):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32, device=device))
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: TinyDiTConfig):
+    def __init__(self, cfg: TinyDiTConfig, dev: torch.device | str):
         super().__init__()
         self.heads, self.eps = cfg.heads, cfg.eps
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
-        self.q_norm = RMSNormWeight(cfg.hidden // cfg.heads)
-        self.k_norm = RMSNormWeight(cfg.hidden // cfg.heads)
-        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.qkv = Linear(cfg.hidden, 3 * cfg.hidden, dev)
+        self.q_norm = RMSNormWeight(cfg.hidden // cfg.heads, dev)
+        self.k_norm = RMSNormWeight(cfg.hidden // cfg.heads, dev)
+        self.proj = Linear(cfg.hidden, cfg.hidden, dev)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -175,10 +196,10 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    def __init__(self, cfg: TinyDiTConfig):
+    def __init__(self, cfg: TinyDiTConfig, dev: torch.device | str):
         super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden, cfg.hidden * cfg.mlp_ratio)
-        self.fc2 = nn.Linear(cfg.hidden * cfg.mlp_ratio, cfg.hidden)
+        self.fc1 = Linear(cfg.hidden, cfg.hidden * cfg.mlp_ratio, dev)
+        self.fc2 = Linear(cfg.hidden * cfg.mlp_ratio, cfg.hidden, dev)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(F.gelu(_linear(x, self.fc1), approximate="tanh"), self.fc2)
@@ -187,14 +208,14 @@ class Mlp(nn.Module):
 class DiTBlock(nn.Module):
     """One transformer block with adaLN-Zero style modulation."""
 
-    def __init__(self, cfg: TinyDiTConfig):
+    def __init__(self, cfg: TinyDiTConfig, dev: torch.device | str):
         super().__init__()
         self.eps = cfg.eps
-        self.norm1 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
-        self.attn = Attention(cfg)
-        self.norm2 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
-        self.mlp = Mlp(cfg)
-        self.adaLN_modulation = nn.Linear(cfg.hidden, 6 * cfg.hidden)
+        self.norm1 = LayerNorm(cfg.hidden, dev)
+        self.attn = Attention(cfg, dev)
+        self.norm2 = LayerNorm(cfg.hidden, dev)
+        self.mlp = Mlp(cfg, dev)
+        self.adaLN_modulation = Linear(cfg.hidden, 6 * cfg.hidden, dev)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         mod = _linear(F.silu(c), self.adaLN_modulation).to(x.dtype)
@@ -204,10 +225,10 @@ class DiTBlock(nn.Module):
 
 
 class TimestepEmbedder(nn.Module):
-    def __init__(self, cfg: TinyDiTConfig):
+    def __init__(self, cfg: TinyDiTConfig, dev: torch.device | str):
         super().__init__()
-        self.register_buffer("freqs", torch.empty(cfg.freq_dim // 2), persistent=True)
-        self.mlp = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.hidden), nn.SiLU(), nn.Linear(cfg.hidden, cfg.hidden))
+        self.register_buffer("freqs", torch.empty(cfg.freq_dim // 2, device=dev), persistent=True)
+        self.mlp = nn.Sequential(Linear(cfg.freq_dim, cfg.hidden, dev), nn.SiLU(), Linear(cfg.hidden, cfg.hidden, dev))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         args = t.float()[:, None] * self.freqs[None]
@@ -216,12 +237,12 @@ class TimestepEmbedder(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    def __init__(self, cfg: TinyDiTConfig):
+    def __init__(self, cfg: TinyDiTConfig, dev: torch.device | str):
         super().__init__()
         self.eps = cfg.eps
-        self.norm = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
-        self.adaLN_modulation = nn.Linear(cfg.hidden, 2 * cfg.hidden)
-        self.linear = nn.Linear(cfg.hidden, cfg.patch_dim)
+        self.norm = LayerNorm(cfg.hidden, dev)
+        self.adaLN_modulation = Linear(cfg.hidden, 2 * cfg.hidden, dev)
+        self.linear = Linear(cfg.hidden, cfg.patch_dim, dev)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift, scale = _linear(F.silu(c), self.adaLN_modulation).to(x.dtype).chunk(2, dim=-1)
@@ -229,23 +250,18 @@ class FinalLayer(nn.Module):
 
 
 class TinyDiT(nn.Module):
-    """The reference DiT. Construct on the meta device for a skeleton
-    (``with torch.device("meta"): TinyDiT(cfg)``), then load or restore."""
+    """The reference DiT, built with runtime dtypes and uninitialized
+    tensors on ``dev`` (default meta: a skeleton), then loaded canonically or
+    restored from a lease."""
 
-    def __init__(self, cfg: TinyDiTConfig):
+    def __init__(self, cfg: TinyDiTConfig, dev: torch.device | str = "meta"):
         super().__init__()
         self.config = cfg
-        self.x_embedder = nn.Linear(cfg.patch_dim, cfg.hidden)
-        self.register_buffer("pos_embed", torch.empty(1, cfg.tokens, cfg.hidden), persistent=True)
-        self.t_embedder = TimestepEmbedder(cfg)
-        self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.depth))
-        self.final_layer = FinalLayer(cfg)
-
-    def to_runtime_dtypes(self) -> "TinyDiT":
-        """Casts parameters to their runtime dtypes in place (works on meta)."""
-        for name, p in self.named_parameters():
-            p.data = p.data.to(runtime_dtype(name))
-        return self
+        self.x_embedder = Linear(cfg.patch_dim, cfg.hidden, dev)
+        self.register_buffer("pos_embed", torch.empty(1, cfg.tokens, cfg.hidden, device=dev), persistent=True)
+        self.t_embedder = TimestepEmbedder(cfg, dev)
+        self.blocks = nn.ModuleList(DiTBlock(cfg, dev) for _ in range(cfg.depth))
+        self.final_layer = FinalLayer(cfg, dev)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         cfg = self.config
