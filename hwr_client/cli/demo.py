@@ -176,9 +176,11 @@ class WorkerProcesses:
         self.procs: list[subprocess.Popen] = []
 
     def spawn(self, checkpoint: str, mode: str, socket: str | None, *, device: str, offload: bool = True,
-              extra: tuple[str, ...] = ()) -> subprocess.Popen:
+              forward: bool = True, extra: tuple[str, ...] = ()) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "dlo_runtime.worker", "--contract", "tiny-dit", "--checkpoint", checkpoint,
-               "--mode", mode, "--device", device, "--forward", "--hold", *extra]
+               "--mode", mode, "--device", device, "--hold", *extra]
+        if forward:
+            cmd.append("--forward")
         if socket:
             cmd += ["--socket", socket]
         if not offload:
