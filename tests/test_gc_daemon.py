@@ -269,7 +269,7 @@ def test_gc_waits_out_the_lease_grace_period_after_restart(make_daemon_fixture, 
     import sys
 
     conf = tmp_path / "grace.toml"
-    conf.write_text("lease_grace_s = 4.0\n")
+    conf.write_text("lease_grace_s = 12.0\n")
     d = make_daemon_fixture("--config", str(conf))
     with d.client() as c:
         a, b = publish(c, "ga", 2), publish(c, "gb", 2)
