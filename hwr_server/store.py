@@ -30,7 +30,7 @@ from hwr_client.errors import Aborted, FailedPrecondition, InvalidArgument, NotF
 from hwr_client.identity import check_key
 from hwr_client.manifest import Manifest
 from hwr_server.config import ServerConfig
-from hwr_server.publication import verify_artifact
+from hwr_server.publication import tune_allocator, verify_artifact
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,8 @@ class Store:
         self.quarantine_dir = os.path.join(self.root, "quarantine")
         for d in (self.blobs_dir, self.artifacts_dir, self.staging_dir, self.quarantine_dir):
             os.makedirs(d, mode=0o755, exist_ok=True)
+        # The daemon moves payload through multi-MiB buffers; see tune_allocator.
+        tune_allocator()
         #: callable(nbytes) run at publication plan; raises ResourceExhausted.
         #: The GC replaces it with one that collects first.
         self.capacity_hook: Callable[[int], None] = self.default_capacity_hook
