@@ -93,7 +93,12 @@ class Session:
         self._outbox: queue.Queue | None = None
         self._interval_s = 1.0
         self.reconnects = 0
-        self._connect([])
+        try:
+            self._connect([])
+        except BaseException:
+            self._closed = True
+            self.channel.close()
+            raise
 
     # -- stream ----------------------------------------------------------------
 
