@@ -441,14 +441,15 @@ class Collector:
     def _guard(self) -> Callable[[], object] | None:
         """The store's lock, held around each pin check + delete.
 
-        A lease grant reads the artifact (``store.get``, under this lock)
-        before it records the lease. Holding the lock across check and
-        unlink means a grant either recorded its lease before our check (we
-        keep the artifact) or reads the store after the unlink (NotFound, or
-        the client's open of the unlinked files fails and it releases): no
-        lease is ever held on an artifact GC deleted. The lease manager also
-        re-checking ``store.contains(key)`` after recording closes the last
-        gap (the grant's reply naming unlinked files). Lock order: store,
+        A lease grant first reads the artifact (``store.get``, under this
+        lock), then records the lease. With the lock held from our pin check
+        to the unlink, no grant can read the artifact in between: one that
+        read it before our check has either recorded its lease (we see the
+        pin and keep the artifact) or records it afterwards, and its client
+        then fails to open the unlinked files and releases (FailedPrecondition).
+        The remaining gap (a client opening the files in the instant before
+        the unlink) closes when the lease manager re-checks
+        ``store.contains(key)`` after recording a lease. Lock order: store,
         then leases (the lease manager never calls the store under its lock).
         """
         lock = getattr(self.store, "lock", None) or getattr(self.store, "_lock", None)
