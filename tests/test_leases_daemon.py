@@ -364,3 +364,22 @@ def test_forked_child_opens_its_own_session(daemon):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_awaiting_lease_pins_until_grace_ends(make_daemon_fixture, tmp_path, holders):
+    cfg = tmp_path / "hwr.toml"
+    cfg.write_text("lease_grace_s = 3.0\n")
+    d = make_daemon_fixture("--config", str(cfg))
+    key, _ = publish(d)
+    h = Holder(d, key)
+    holders.append(h)
+    d.kill()
+    h.close()  # the holder dies with the daemon down: nobody will re-attach
+    d.start()
+    [row] = leases_json(d)
+    assert (row["pid"], row["state"]) == (h.proc.pid, "awaiting-reattach")
+    rm = d.cli("rm", key)
+    assert rm.returncode == 4 and f"pid {h.proc.pid}" in rm.stderr
+    gone, waited = wait_for(lambda: leases_json(d) == [], timeout=30, step=0.2)
+    assert gone
+    assert d.cli("rm", key).returncode == 0  # after the grace period it is an ordinary artifact
