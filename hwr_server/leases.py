@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from hwr_client.errors import FailedPrecondition, NotFound, Unavailable
+from hwr_client.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from hwr_client.identity import check_key
 from hwr_server import db
 
@@ -227,6 +227,15 @@ class LeaseManager:
 
     # -- sessions ----------------------------------------------------------------
 
+    @property
+    def max_sessions(self) -> int:
+        """Open sessions allowed at once. A session stream occupies one gRPC
+        worker thread for its whole life; without a cap, more sessions than
+        threads would leave none for AcquireLease and every worker would
+        hang. A quarter of the threads (at least 4) stays for unary calls."""
+        threads = int(self.config.grpc_threads)
+        return max(1, threads - max(4, threads // 4))
+
     def open_session(self, pid: int, client_name: str, reattach_ids: Iterable[str] = (),
                      on_expire: Callable[[], None] | None = None) -> SessionGrant:
         """Opens a session and re-binds the awaiting leases it names.
@@ -246,6 +255,12 @@ class LeaseManager:
         with self._lock:
             if self._closing:
                 raise Unavailable("lease manager: daemon is shutting down; reconnect after it restarts")
+            if len(self._sessions) >= self.max_sessions:
+                raise ResourceExhausted(
+                    f"session for pid {pid}: {len(self._sessions)} sessions are open, the limit is {self.max_sessions} "
+                    f"(each holds one of grpc_threads={self.config.grpc_threads} daemon threads; the rest serve "
+                    "calls); raise grpc_threads in the daemon config"
+                )
             self._sessions[session.session_id] = session
             for lease_id in reattach_ids:
                 lease = self._leases.get(_hash(lease_id))

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound
+from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hwr_server.config import ServerConfig
 from hwr_server.leases import ATTACHED, AWAITING, LeaseManager
 
@@ -204,3 +204,13 @@ def test_artifact_deleted_during_grant_is_not_granted(tmp_path):
     with pytest.raises(NotFound, match="deleted while"):
         m.acquire(s.session_id, KEY_A)
     assert m.list() == [] and m.stats()["hwr_leases_active"] == 0
+
+
+def test_session_cap_leaves_threads_for_calls(tmp_path):
+    m = make(tmp_path, grpc_threads=16)
+    assert m.max_sessions == 12
+    sessions = [m.open_session(i, "") for i in range(12)]
+    with pytest.raises(ResourceExhausted, match="grpc_threads"):
+        m.open_session(99, "")
+    m.end_session(sessions[0].session_id)
+    m.open_session(100, "")  # a slot freed

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound
+from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.session import get_session
 from tests.conftest import identity, sample_tensors
 
@@ -383,3 +383,23 @@ def test_awaiting_lease_pins_until_grace_ends(make_daemon_fixture, tmp_path, hol
     gone, waited = wait_for(lambda: leases_json(d) == [], timeout=30, step=0.2)
     assert gone
     assert d.cli("rm", key).returncode == 0  # after the grace period it is an ordinary artifact
+
+
+def test_too_many_sessions_is_an_error_not_a_hang(make_daemon_fixture, tmp_path):
+    cfg = tmp_path / "hwr.toml"
+    cfg.write_text("grpc_threads = 8\n")  # 4 sessions at most; 4 threads stay for calls
+    d = make_daemon_fixture("--config", str(cfg))
+    key, _ = publish(d)
+    clients = [d.client() for _ in range(5)]
+    try:
+        leases = [c.acquire(key) for c in clients[:4]]
+        with pytest.raises(ResourceExhausted, match="grpc_threads"):
+            clients[4].acquire(key)
+        assert stats(d)["hwr_leases_active"] == 4  # unary calls still served
+        leases[0].close()
+        clients[0].close()
+        _, _ = wait_for(lambda: stats(d)["hwr_sessions_active"] == 3, timeout=10)
+        clients[4].acquire(key).close()  # the freed slot is usable
+    finally:
+        for c in clients:
+            c.close()
