@@ -403,3 +403,26 @@ def test_too_many_sessions_is_an_error_not_a_hang(make_daemon_fixture, tmp_path)
     finally:
         for c in clients:
             c.close()
+
+
+def test_write_through_a_leased_view_faults_and_store_is_unchanged(daemon):
+    key, _ = publish(daemon)
+    code = textwrap.dedent("""
+        import sys, hwr_client
+        lease = hwr_client.connect(sys.argv[1]).acquire(sys.argv[2])
+        view = lease.tensors()["blocks.0.attn.qkv.weight"]
+        print("writing", flush=True)
+        view.add_(1)
+        print("WROTE", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, daemon.socket, key], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert "writing" in proc.stdout and "WROTE" not in proc.stdout
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr[-2000:]
+    with daemon.client() as c:
+        for f in c.lookup(key).files:  # every blob still hashes to its name
+            with open(os.path.join(daemon.root, "blobs", "sha256", f.blob), "rb") as fh:
+                assert hashlib.sha256(fh.read()).hexdigest() == f.blob
+    # The crashed writer's session ended with it: nothing stays leased.
+    released, _ = wait_for(lambda: stats(daemon)["hwr_leases_active"] == 0, timeout=10)
+    assert released
