@@ -203,7 +203,9 @@ def _file_problems(mapped: MappedArtifact, index: int, mode: str) -> list[str]:
         expected = [(f"tensor {t.name!r}", t.sha256) for t in items]
         whole, parts = _hash_file(data, ranges, hashlib.sha256)
         file_expected, algo = entry.blob, "sha256"
-    problems = [f"file {index} ({entry.name}): {algo} {whole}, expected {file_expected}"] if whole != file_expected else []
+    problems = []
+    if whole != file_expected:
+        problems.append(f"file {index} ({entry.name}): {algo} {whole}, expected {file_expected}")
     problems += [f"{what}: {algo} {got}, expected {want}" for (what, want), got in zip(expected, parts) if got != want]
     return problems
 
