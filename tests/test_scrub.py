@@ -12,7 +12,7 @@ import time
 from hwr_client._proto import hwr_pb2 as pb
 from hwr_server.config import ServerConfig
 from hwr_server.scrub import Scrubber
-from tests.test_gc_daemon import keys, publish, stats
+from tests.test_gc_daemon import collect, keys, publish, stats
 
 
 def _corrupt(root: str, blob: str, offset: int = -100) -> None:
@@ -53,6 +53,16 @@ def test_daemon_scrub_quarantines_corruption(make_daemon_fixture, tmp_path):
         listed = {a.key: a for a in c.call(c.reader.ListArtifacts, pb.ListArtifactsRequest()).artifacts}
         assert listed[bad.key].state == "quarantined" and "scrub" in listed[bad.key].reason
         assert s['hwr_artifacts{state="quarantined"}'] == 1
+        # GC removes quarantined artifacts first, before any published one.
+        qbytes = s['hwr_store_bytes{state="quarantined"}']
+        assert qbytes > 0
+        res = collect(c, 1)
+        assert res["items"][0]["kind"] == "quarantine" and res["items"][0]["name"].startswith(bad.key)
+        assert res["items"][0]["bytes"] == qbytes
+        assert os.listdir(os.path.join(d.root, "quarantine")) == []
+        s2 = stats(c)
+        assert s2['hwr_store_bytes{state="quarantined"}'] == 0 and s2['hwr_artifacts{state="quarantined"}'] == 0
+        assert s2["hwr_gc_bytes_freed_total"] == res["bytes_freed"]
     out = d.cli("stats", "--json")
     assert json.loads(out.stdout)["hwr_scrub_corrupt_total"] == 1
 
