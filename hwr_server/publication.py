@@ -90,6 +90,16 @@ def tune_allocator() -> bool:
     return ok
 
 
+def set_native_thread_name(name: str) -> None:
+    """Names the calling OS thread (first 15 bytes), so `top -H` and
+    /proc/<pid>/task/*/comm show which thread hashes; best effort."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.pthread_setname_np(ctypes.c_ulong(threading.get_ident()), name.encode()[:15])
+    except (OSError, AttributeError):
+        pass
+
+
 # ---------------------------------------------------------------------------
 # Hashers: one file, bytes fed strictly in order
 # ---------------------------------------------------------------------------
@@ -211,6 +221,7 @@ class _Stage(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
+        set_native_thread_name(self.name)
         while True:
             item = self.q.get()
             if item is None:
@@ -406,6 +417,7 @@ class Publication:
         self._pos = 0
         self._fsyncs: list[Future] = []
         self._fsync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hwr-fsync-{pub_id[:6]}")
+        self._fsync_pool.submit(set_native_thread_name, "hwr-fsync")
         self._whole = [WholeHasher(lay.header) for lay in checked.layouts]
         self._parts = [parts_from_plan(checked, i) for i in range(len(checked.layouts))]
         self._coverage = [Coverage(lay.data_size) for lay in checked.layouts]
