@@ -29,6 +29,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -63,6 +64,11 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _tuned = False
 
 
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def tune_allocator() -> bool:
     """Makes glibc keep freed multi-MiB buffers for reuse (process-wide, once).
 
@@ -81,7 +87,7 @@ def tune_allocator() -> bool:
     if _tuned:
         return True
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = _libc()
         ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)) and bool(
             libc.mallopt(_M_TRIM_THRESHOLD, 64 * 1024 * 1024))
     except (OSError, AttributeError):
@@ -94,8 +100,7 @@ def set_native_thread_name(name: str) -> None:
     """Names the calling OS thread (first 15 bytes), so `top -H` and
     /proc/<pid>/task/*/comm show which thread hashes; best effort."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.pthread_setname_np(ctypes.c_ulong(threading.get_ident()), name.encode()[:15])
+        _libc().pthread_setname_np(ctypes.c_ulong(threading.get_ident()), name.encode()[:15])
     except (OSError, AttributeError):
         pass
 
