@@ -50,6 +50,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from dlo_runtime.worker import pss_breakdown  # noqa: E402
 from hwr_client.cli.demo import WorkerProcesses, daemon_for, human, parse_size  # noqa: E402
 
 GIB = 1 << 30
@@ -94,30 +95,6 @@ def _map_address(mm: mmap.mmap) -> int:
     return addr
 
 
-def pss_breakdown(pid: int, artifact_dir: str) -> dict[str, int]:
-    """A process's PSS (KiB) split by what backs it (/proc/PID/smaps):
-    ``artifact`` (mappings under the store's blobs), ``anon`` (heap, anonymous
-    memory: a private model, device buffers on CPU), ``files`` (libraries,
-    checkpoint mappings: shared node-wide with every Python process, so
-    excluded from the model comparison)."""
-    out = {"pss_artifact_kib": 0, "pss_anon_kib": 0, "pss_files_kib": 0}
-    where = "pss_anon_kib"
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            head = line.split(maxsplit=6)
-            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-                path = head[5].strip() if len(head) > 5 else ""
-                if path.startswith(artifact_dir):
-                    where = "pss_artifact_kib"
-                elif path.startswith("/"):
-                    where = "pss_files_kib"
-                else:
-                    where = "pss_anon_kib"
-            elif head[0] == "Pss:":
-                out[where] += int(head[1])
-    return out
-
-
 def write_fsync_seconds(directory: str, nbytes: int) -> float:
     """Seconds to write ``nbytes`` to a new file and fsync it (the floor any
     durable publication of those bytes pays)."""
@@ -150,9 +127,7 @@ class Bench:
 
     def group(self, ckpt: str, mode: str, n: int, **kw: Any) -> list[dict[str, Any]]:
         socket = None if mode == "disabled" else self.socket
-        blobs = os.path.join(self.root, "blobs")
-        return self.workers.group(ckpt, mode, socket, n, device=self.args.device,
-                                  measure=lambda pid: pss_breakdown(pid, blobs), **kw)
+        return self.workers.group(ckpt, mode, socket, n, device=self.args.device, measure=pss_breakdown, **kw)
 
     def checkpoint(self, size: int) -> str:
         from dlo_runtime.models.tiny_dit import TinyDiTConfig, write_checkpoint

@@ -343,6 +343,30 @@ def pss_kib(pid: int | str = "self") -> int:
     return 0
 
 
+#: Path fragment of artifact payload files in any HWR store root.
+BLOB_DIR_MARK = "/blobs/sha256/"
+
+
+def pss_breakdown(pid: int | str = "self") -> dict[str, int]:
+    """A process's PSS (KiB) split by what backs it (/proc/PID/smaps):
+    ``pss_artifact_kib`` (HWR artifact mappings: shared weights),
+    ``pss_anon_kib`` (heap and anonymous memory: a privately loaded model,
+    DLO buffers on CPU), ``pss_files_kib`` (libraries and other files, shared
+    with every Python process on the node)."""
+    out = {"pss_artifact_kib": 0, "pss_anon_kib": 0, "pss_files_kib": 0}
+    where = "pss_anon_kib"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=5)
+            if not head[0].endswith(":") and "-" in head[0] and len(head) >= 5:
+                path = head[5].strip() if len(head) > 5 else ""
+                where = ("pss_artifact_kib" if BLOB_DIR_MARK in path
+                         else "pss_files_kib" if path.startswith("/") else "pss_anon_kib")
+            elif head[0] == "Pss:":
+                out[where] += int(head[1])
+    return out
+
+
 def run(opts: WorkerOptions, *, forward: bool, publish: bool, seed: int = 0) -> tuple[Worker, dict[str, Any]]:
     """Starts a worker, optionally runs one forward pass and publishes (a
     preferred miss); returns the worker and a JSON-ready result."""
