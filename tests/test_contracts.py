@@ -118,3 +118,11 @@ def test_generic_contract_loads_any_safetensors_model(tmp_path):
     assert all(torch.equal(produced[k], loaded[k]) for k in loaded)
     with pytest.raises(InvalidArgument, match="model_factory"):
         GenericContract().build_skeleton(str(tmp_path))
+
+
+def test_identity_is_the_same_through_the_daemon_source_cache(ckpt, make_daemon_fixture):
+    daemon = make_daemon_fixture("--source-root", os.path.dirname(ckpt))
+    contract = get_contract("tiny-dit")
+    with daemon.client() as client:
+        cached = [contract.identity(ckpt, client=client).key for _ in range(2)]
+    assert cached == [contract.identity(ckpt).key] * 2
