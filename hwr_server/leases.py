@@ -31,6 +31,7 @@ import hashlib
 import contextlib
 import logging
 import secrets
+import sqlite3
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -172,21 +173,39 @@ class LeaseManager:
         self._db.execute("COMMIT")
 
     def _persist_add(self, lease: _Lease) -> None:
-        with self._txn():
-            self._db.execute(
-                "INSERT INTO leases (id_hash, id_prefix, key, pid, client_name, acquired_unix) VALUES (?,?,?,?,?,?)",
-                (lease.id_hash, lease.id_prefix, lease.key, lease.pid, lease.client_name, lease.acquired_unix),
-            )
-            self._touch_usage(lease.key)
+        """Writes the record BEFORE the grant is visible: a lease the client
+        holds always survives a daemon crash.
+
+        Raises:
+            Unavailable: the index cannot be written (nothing was granted,
+                so a retry is safe).
+        """
+        try:
+            with self._txn():
+                self._db.execute(
+                    "INSERT INTO leases (id_hash, id_prefix, key, pid, client_name, acquired_unix) "
+                    "VALUES (?,?,?,?,?,?)",
+                    (lease.id_hash, lease.id_prefix, lease.key, lease.pid, lease.client_name, lease.acquired_unix),
+                )
+                self._touch_usage(lease.key)
+        except sqlite3.Error as exc:
+            raise Unavailable(f"lease on {lease.key[:12]}: cannot record it in {db.FILENAME} ({exc}); "
+                              "nothing was granted, retry") from None
 
     def _persist_remove(self, leases: Iterable[_Lease]) -> None:
+        """Deletes records. A failure is logged, not raised: the lease is
+        already gone in memory, and a stale record only pins its key during
+        the grace period after the next restart."""
         leases = list(leases)
         if not leases:
             return
-        with self._txn():
-            self._db.executemany("DELETE FROM leases WHERE id_hash = ?", [(x.id_hash,) for x in leases])
-            for key in {x.key for x in leases}:
-                self._touch_usage(key)
+        try:
+            with self._txn():
+                self._db.executemany("DELETE FROM leases WHERE id_hash = ?", [(x.id_hash,) for x in leases])
+                for key in {x.key for x in leases}:
+                    self._touch_usage(key)
+        except sqlite3.Error:
+            log.exception("leases: could not delete %d lease record(s) from %s", len(leases), db.FILENAME)
 
     def _touch_usage(self, key: str) -> None:
         # Last use = last acquire or release: an artifact held for days and
@@ -249,6 +268,7 @@ class LeaseManager:
 
         Raises:
             Unavailable: the daemon is shutting down.
+            ResourceExhausted: too many open sessions (see max_sessions).
         """
         session = _Session(secrets.token_urlsafe(24), int(pid), client_name, time.monotonic(), on_expire=on_expire)
         reattached, lost = [], []

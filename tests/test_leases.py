@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hwr_server.config import ServerConfig
 from hwr_server.leases import ATTACHED, AWAITING, LeaseManager
 
@@ -214,3 +214,12 @@ def test_session_cap_leaves_threads_for_calls(tmp_path):
         m.open_session(99, "")
     m.end_session(sessions[0].session_id)
     m.open_session(100, "")  # a slot freed
+
+
+def test_index_write_failure_grants_nothing(tmp_path):
+    m = make(tmp_path)
+    s = m.open_session(1, "")
+    m._db.execute("DROP TABLE leases")  # the seam: the index refuses the write
+    with pytest.raises(Unavailable, match="nothing was granted"):
+        m.acquire(s.session_id, KEY_A)
+    assert m.list() == [] and m.pinned_keys() == set()
