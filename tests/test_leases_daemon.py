@@ -124,7 +124,10 @@ def test_acquire_maps_published_tensors_and_release(daemon):
                 assert torch.equal(lease.tensors()[name], t)
             [row] = leases_json(daemon)
             assert (row["pid"], row["key"], row["state"]) == (os.getpid(), key, "attached")
-            assert row["lease_id_prefix"] == lease.lease_id[:8]
+            assert row["lease_id_prefix"] == lease.lease_id[:8] and row["age_s"] >= 0
+            table = daemon.cli("leases", check=True).stdout.splitlines()
+            assert table[0].split() == ["PID", "CLIENT", "KEY", "AGE", "STATE", "LEASE"]
+            assert table[1].split()[0] == str(os.getpid()) and "attached" in table[1] and key[:16] in table[1]
             assert stats(daemon)["hwr_leases_active"] == 1
         assert lease.closed and leases_json(daemon) == []
         assert stats(daemon)["hwr_leases_active"] == 0
