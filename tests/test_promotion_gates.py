@@ -166,3 +166,20 @@ def test_required_starts_warm_after_prewarm_and_fails_clearly_before(ckpt, daemo
         assert torch.equal(worker.forward(*sample_inputs(CFG)), _reference(ckpt))
     finally:
         worker.close()
+
+
+def test_no_required_tensor_remains_on_meta(ckpt, daemon):
+    contract = get_contract("tiny-dit")
+    tensors = contract.produce(ckpt)
+    del tensors["pos_embed"]  # a loader-computed buffer the artifact forgot
+    with daemon.client() as client:
+        client.publish(contract.identity(ckpt, client=client), tensors)
+    with pytest.raises(FailedPrecondition, match="pos_embed: missing from the artifact"):
+        start_worker(_opts(ckpt, daemon, "required"))
+    worker = start_worker(_opts(ckpt, daemon))  # preferred: canonical fallback, fully materialized
+    try:
+        assert worker.report.outcome == "CANONICAL_FALLBACK"
+        check_no_meta(worker.model)
+        assert not any(t.is_meta for t in worker.model.state_dict().values())
+    finally:
+        worker.close()
