@@ -60,7 +60,7 @@ READ_BYTES = 8 * 1024 * 1024
 _HEX_DIGITS = "0123456789abcdef"
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _tuned = False
 
 
@@ -88,8 +88,14 @@ def tune_allocator() -> bool:
         return True
     try:
         libc = _libc()
-        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)) and bool(
-            libc.mallopt(_M_TRIM_THRESHOLD, 64 * 1024 * 1024))
+        ok = (
+            bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024))
+            and bool(libc.mallopt(_M_TRIM_THRESHOLD, 64 * 1024 * 1024))
+            # Few arenas: each gRPC worker thread would otherwise get its own arena
+            # and keep its own freed buffers, so retained memory grew with the
+            # number of threads that ever served a publication.
+            and bool(libc.mallopt(_M_ARENA_MAX, 2))
+        )
     except (OSError, AttributeError):
         return False
     _tuned = ok
