@@ -389,3 +389,19 @@ def fill(path: str) -> None:
                     f.write(b"\xff" * size)
             except OSError:
                 pass
+
+
+def test_capacity_budget_is_resource_exhausted(make_daemon_fixture):
+    """The configured byte budget (works where no tmpfs can be mounted). With
+    the GC present its hook collects first; an artifact larger than the whole
+    budget is refused either way."""
+    d = make_daemon_fixture("--capacity", "64KiB")
+    with d.client() as client:
+        client.publish(identity(t="fits"), sample_tensors(blocks=1))
+        with pytest.raises(ResourceExhausted) as exc:
+            client.publish(identity(t="over"), {"blocks.0.w": torch.zeros(128, 1024)})  # 512 KiB
+        assert "65536" in str(exc.value) or "capacity" in str(exc.value)
+        assert os.listdir(os.path.join(d.root, "staging")) == []
+        with pytest.raises(NotFound):
+            client.lookup(identity_key("over"))
+        assert client.publish(identity(t="fits-too"), sample_tensors(blocks=1, seed=3)).key
