@@ -19,7 +19,7 @@ Commit, in this order (the durability order):
   6. only then the reply.
 Any failure before 5 leaves nothing visible and removes the staging directory.
 
-The hashers here are also used by deep verification (:func:`verify_artifact`).
+The hashers here are also used by deep verification (:mod:`hwr_server.recovery`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ import xxhash
 
 from hwr_client._proto import hwr_pb2 as pb
 from hwr_client.errors import FailedPrecondition, HwrError, Internal, InvalidArgument, ResourceExhausted
-from hwr_client.layout import parse_header
 from hwr_client.local import build_manifest
 from hwr_client.manifest import Manifest
 from hwr_client.plan import CheckedPlan, check_plan, from_proto
@@ -274,59 +273,6 @@ def readback(path: str, whole: WholeHasher, parts: PartsHasher, data_start: int,
     finally:
         helper.finish()
     return total
-
-
-# ---------------------------------------------------------------------------
-# Deep verification of a stored artifact
-# ---------------------------------------------------------------------------
-
-
-def verify_file(manifest: Manifest, fi: int, path: str) -> tuple[list[str], bool, int]:
-    """Re-hashes one blob; returns (problems, blob is bad, bytes read)."""
-    f = manifest.files[fi]
-    what = f"artifact {manifest.key[:12]} file {fi} (blob {f.blob[:12]})"
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        return [f"{what}: blob missing at {path}"], True, 0
-    problems: list[str] = []
-    if size != f.size:
-        problems.append(f"{what}: size {size}, expected {f.size}")
-    try:
-        with open(path, "rb") as fh:
-            header = parse_header(fh, size, what=what)
-        expect = sorted((t.name, t.dtype, tuple(t.shape), t.offset) for t in manifest.tensors if t.file == fi)
-        got = sorted((e.name, e.dtype, tuple(e.shape), header.data_start + e.begin) for e in header.tensors())
-        if header.data_start != f.data_start or got != expect:
-            problems.append(f"{what}: safetensors header does not describe the manifest's tensors")
-    except HwrError as exc:
-        problems.append(str(exc))
-    whole, parts = WholeHasher(), parts_from_manifest(manifest, fi)
-    nread = readback(path, whole, parts, f.data_start, size)
-    sha, xxh = whole.digests()
-    bad = bool(problems) or sha != f.blob
-    if sha != f.blob:
-        problems.append(f"{what}: sha256 {sha[:12]}…, expected {f.blob[:12]}…")
-    if xxh != f.xxh3_128:
-        problems.append(f"{what}: xxh3_128 {xxh}, expected {f.xxh3_128}")
-    tdig, bdig = parts.tensor_digests(), parts.block_digests()
-    for t in manifest.tensors:
-        if t.file == fi and tdig.get(t.name) != t.sha256:
-            problems.append(f"artifact {manifest.key[:12]} tensor {t.name!r}: sha256 mismatch, expected {t.sha256[:12]}…")
-    for b in manifest.blocks:
-        if b.file == fi and bdig.get(b.index) != b.xxh3_128:
-            problems.append(f"artifact {manifest.key[:12]} block {b.index} ({b.prefix!r}): xxh3_128 mismatch")
-    return problems + parts.problems, bad, nread
-
-
-def verify_artifact(manifest: Manifest, paths: Sequence[str], *, threads: int = 2) -> tuple[list[str], list[str], int]:
-    """Deep verification of every file (files in parallel, two hashing
-    threads each). Returns (every problem, bad blob digests, bytes read)."""
-    with ThreadPoolExecutor(max_workers=max(1, threads // 2)) as pool:
-        results = list(pool.map(lambda i: verify_file(manifest, i, paths[i]), range(len(paths))))
-    problems = [p for r in results for p in r[0]]
-    bad = [manifest.files[i].blob for i, r in enumerate(results) if r[1]]
-    return problems, bad, sum(r[2] for r in results)
 
 
 # ---------------------------------------------------------------------------

@@ -1,4 +1,7 @@
-"""Startup recovery of the store (DESIGN §4), run before the daemon serves.
+"""Integrity checks of stored artifacts: startup recovery (cheap checks) and
+deep verification (re-hashing every byte).
+
+Startup recovery (DESIGN §4) runs before the daemon serves:
 
 1. Staging leftovers are removed: nothing in staging/ was ever visible, so an
    interrupted publication (crash, SIGKILL, power loss) simply disappears.
@@ -19,12 +22,14 @@ import logging
 import os
 import shutil
 import time
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
 
 from hwr_client.errors import HwrError
 from hwr_client.identity import is_key
 from hwr_client.layout import parse_header
 from hwr_client.manifest import Manifest
+from hwr_server.publication import WholeHasher, parts_from_manifest, readback
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +94,78 @@ def _check_blob(store: Any, manifest: Manifest, f: Any) -> tuple[str, str]:
         return "blob-missing", f"{what}: blob missing at {path}"
     if size != f.size:
         return "blob-size", f"{what}: blob size {size}, expected {f.size}"
+    problem = header_problem(manifest, f.index, path, size, what)
+    return ("blob-header", problem) if problem else ("", "")
+
+
+def header_problem(manifest: Manifest, fi: int, path: str, size: int, what: str) -> str:
+    """"" when the blob's safetensors header parses and describes exactly the
+    manifest's tensors of file ``fi`` at their offsets; else the problem."""
     try:
         with open(path, "rb") as fh:
             header = parse_header(fh, size, what=what)
     except HwrError as exc:
-        return "blob-header", str(exc)
-    expect = sorted((t.name, t.dtype, tuple(t.shape), t.offset) for t in manifest.tensors if t.file == f.index)
+        return str(exc)
+    expect = sorted((t.name, t.dtype, tuple(t.shape), t.offset) for t in manifest.tensors if t.file == fi)
     got = sorted((e.name, e.dtype, tuple(e.shape), header.data_start + e.begin) for e in header.tensors())
-    if header.data_start != f.data_start or got != expect:
-        return "blob-header", f"{what}: safetensors header does not describe the manifest's tensors"
-    return "", ""
+    if header.data_start != manifest.files[fi].data_start or got != expect:
+        return f"{what}: safetensors header does not describe the manifest's tensors"
+    return ""
+
+
+# -- deep verification (`hwr verify`, scrub, ReportCorruption) -----------------
+
+
+def verify_file(manifest: Manifest, fi: int, path: str) -> tuple[list[str], bool, int]:
+    """Re-hashes one blob: file SHA-256 and xxh3, every tensor's SHA-256,
+    every block's xxh3, the header and the zero padding.
+
+    Returns:
+        (every problem found, whether the blob itself is corrupt, bytes read).
+    """
+    f = manifest.files[fi]
+    what = f"artifact {manifest.key[:12]} file {fi} (blob {f.blob[:12]})"
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return [f"{what}: blob missing at {path}"], True, 0
+    problems = [f"{what}: size {size}, expected {f.size}"] if size != f.size else []
+    problem = header_problem(manifest, fi, path, size, what)
+    if problem:
+        problems.append(problem)
+    whole, parts = WholeHasher(), parts_from_manifest(manifest, fi)
+    nread = readback(path, whole, parts, f.data_start, size)
+    sha, xxh = whole.digests()
+    bad = bool(problems) or sha != f.blob
+    if sha != f.blob:
+        problems.append(f"{what}: sha256 {sha[:12]}…, expected {f.blob[:12]}…")
+    if xxh != f.xxh3_128:
+        problems.append(f"{what}: xxh3_128 {xxh}, expected {f.xxh3_128}")
+    tdig, bdig = parts.tensor_digests(), parts.block_digests()
+    for t in manifest.tensors:
+        if t.file == fi and tdig.get(t.name) != t.sha256:
+            problems.append(f"artifact {manifest.key[:12]} tensor {t.name!r}: sha256 mismatch, expected {t.sha256[:12]}…")
+    for b in manifest.blocks:
+        if b.file == fi and bdig.get(b.index) != b.xxh3_128:
+            problems.append(f"artifact {manifest.key[:12]} block {b.index} ({b.prefix!r}): xxh3_128 mismatch")
+    return problems + parts.problems, bad, nread
+
+
+def verify_artifact(manifest: Manifest, paths: Sequence[str], *, threads: int = 2) -> tuple[list[str], list[str], int]:
+    """Deep verification of every file (files in parallel, two hashing
+    threads each).
+
+    Returns:
+        (every problem, digests of corrupt blobs, bytes read).
+    """
+    with ThreadPoolExecutor(max_workers=max(1, threads // 2)) as pool:
+        results = list(pool.map(lambda i: verify_file(manifest, i, paths[i]), range(len(paths))))
+    problems = [p for r in results for p in r[0]]
+    bad = [manifest.files[i].blob for i, r in enumerate(results) if r[1]]
+    return problems, bad, sum(r[2] for r in results)
+
+
+# -- startup -------------------------------------------------------------------
 
 
 def _remove_staging(store: Any) -> int:

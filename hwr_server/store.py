@@ -30,7 +30,8 @@ from hwr_client.errors import Aborted, FailedPrecondition, InvalidArgument, NotF
 from hwr_client.identity import check_key
 from hwr_client.manifest import Manifest
 from hwr_server.config import ServerConfig
-from hwr_server.publication import tune_allocator, verify_artifact
+from hwr_server.publication import tune_allocator
+from hwr_server.recovery import RecoveryReport, recover, verify_artifact
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +165,8 @@ class Store:
 
     # -- startup --------------------------------------------------------------
 
-    def recover(self):
+    def recover(self) -> RecoveryReport:
         """Startup recovery (see :mod:`hwr_server.recovery`); returns its report."""
-        from hwr_server.recovery import recover
-
         self.last_recovery = recover(self)
         return self.last_recovery
 
