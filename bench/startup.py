@@ -292,36 +292,39 @@ def chart(doc: dict[str, Any], path: str) -> str | None:
     results = doc["results"]
     labels = [human(r["checkpoint_bytes"]).replace(".0 ", " ") for r in results]
     xs = range(len(results))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5.2))
     series = [("ordinary load", "ordinary_s", "#888888"), ("cold: load + publish", None, "#d98c2b"),
               ("warm start (HWR)", "warm_s", "#2b7bd9")]
     width = 0.27
     for k, (name, field, color) in enumerate(series):
         vals = [r[field] if field else r["cold_s"] + (r["publish_s"] or 0) for r in results]
-        ax1.bar([x + (k - 1) * width for x in xs], vals, width, label=name, color=color)
+        bars = ax1.bar([x + (k - 1) * width for x in xs], vals, width, label=name, color=color)
+        ax1.bar_label(bars, [f"{v:.2g} s" for v in vals], fontsize=8, padding=2)
     for x, r in zip(xs, results):
         sp = r["speedup_warm_vs_ordinary"]
-        ax1.annotate(f"{sp:.0f}x faster" if sp >= 10 else f"{sp:.1f}x", (x + width, r["warm_s"]),
-                     textcoords="offset points", xytext=(0, 4), ha="center", fontsize=9, color="#2b7bd9")
+        ax1.annotate(f"warm: {sp:.0f}x faster" if sp >= 10 else f"warm: {sp:.1f}x faster", (x + width, r["warm_s"]),
+                     textcoords="offset points", xytext=(0, 16), ha="center", fontsize=9, color="#2b7bd9",
+                     fontweight="bold")
     ax1.set_yscale("log")
+    ax1.margins(y=0.25)
     ax1.set_xticks(list(xs), [f"{lab} fp32" for lab in labels])
     ax1.set_ylabel("seconds to ready (log scale)")
     ax1.set_title("Worker startup by checkpoint size")
-    ax1.legend(fontsize=9, loc="upper left")
+    ax1.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, frameon=False)
     n = results[0]["workers"]
     ordv = [r["ordinary_n_pss_above_baselines_over_model"] or 0 for r in results]
     warmv = [r["warm_n_pss_above_baselines_over_model"] for r in results]
-    ax2.bar([x - 0.2 for x in xs], ordv, 0.4, label=f"{n} ordinary workers", color="#888888")
-    ax2.bar([x + 0.2 for x in xs], warmv, 0.4, label=f"{n} warm workers (HWR)", color="#2b7bd9")
+    b1 = ax2.bar([x - 0.2 for x in xs], ordv, 0.4, label=f"{n} ordinary workers", color="#888888")
+    b2 = ax2.bar([x + 0.2 for x in xs], warmv, 0.4, label=f"{n} warm workers (HWR)", color="#2b7bd9")
+    ax2.bar_label(b1, [f"{v:.2f}x" if v else "skipped (RAM)" for v in ordv], fontsize=9, padding=2)
+    ax2.bar_label(b2, [f"{v:.2f}x" for v in warmv], fontsize=9, padding=2)
     ax2.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax2.text(len(results) - 0.5, 1.05, "one copy of the model", ha="right", fontsize=9)
-    for x, o in zip(xs, ordv):
-        if not o:
-            ax2.text(x - 0.2, 0.05, "skipped\n(RAM)", ha="center", fontsize=8)
+    ax2.text(-0.45, 1.08, "one copy of the model", ha="left", fontsize=8)
+    ax2.set_ylim(0, max([*ordv, *warmv, 1.0]) * 1.2)
     ax2.set_xticks(list(xs), [f"{lab} fp32" for lab in labels])
     ax2.set_ylabel("sum of PSS above baselines (x model size)")
     ax2.set_title(f"Host memory of {n} workers on one node")
-    ax2.legend(fontsize=9, loc="upper left")
+    ax2.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
     fig.suptitle(f"HWR vs ordinary loading — {doc['machine']}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
