@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import contextlib
 import logging
 import secrets
 import sqlite3
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 from hwr_client.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from hwr_client.identity import check_key
@@ -136,6 +135,7 @@ class LeaseManager:
         self._sessions: dict[str, _Session] = {}
         self._leases: dict[str, _Lease] = {}  # id hash -> lease
         self._usage: dict[str, int] = {}  # key -> last leased unix seconds
+        self._usage_dirty: set[str] = set()  # stamps not yet on disk
         self._manifest_cache: dict[str, tuple[Any, str]] = {}  # key -> (Manifest, its JSON)
         self._closing = False
         self._wake = threading.Event()
@@ -160,37 +160,24 @@ class LeaseManager:
             log.info("leases: %d persisted lease(s) await re-attach for %.0f s", len(self._leases),
                      self.config.lease_grace_s)
 
-    @contextlib.contextmanager
-    def _txn(self) -> Iterator[None]:
-        """One transaction (the connection is in autocommit mode): a lease
-        row and its usage stamp are written together or not at all."""
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
-
     def _persist_add(self, lease: _Lease) -> None:
         """Writes the record BEFORE the grant is visible: a lease the client
-        holds always survives a daemon crash.
+        holds always survives a daemon crash. One statement, so autocommit
+        makes it atomic.
 
         Raises:
             Unavailable: the index cannot be written (nothing was granted,
                 so a retry is safe).
         """
         try:
-            with self._txn():
-                self._db.execute(
-                    "INSERT INTO leases (id_hash, id_prefix, key, pid, client_name, acquired_unix) "
-                    "VALUES (?,?,?,?,?,?)",
-                    (lease.id_hash, lease.id_prefix, lease.key, lease.pid, lease.client_name, lease.acquired_unix),
-                )
-                self._touch_usage(lease.key)
+            self._db.execute(
+                "INSERT INTO leases (id_hash, id_prefix, key, pid, client_name, acquired_unix) VALUES (?,?,?,?,?,?)",
+                (lease.id_hash, lease.id_prefix, lease.key, lease.pid, lease.client_name, lease.acquired_unix),
+            )
         except sqlite3.Error as exc:
             raise Unavailable(f"lease on {lease.key[:12]}: cannot record it in {db.FILENAME} ({exc}); "
                               "nothing was granted, retry") from None
+        self._touch_usage(lease.key)
 
     def _persist_remove(self, leases: Iterable[_Lease]) -> None:
         """Deletes records. A failure is logged, not raised: the lease is
@@ -200,23 +187,38 @@ class LeaseManager:
         if not leases:
             return
         try:
-            with self._txn():
-                self._db.executemany("DELETE FROM leases WHERE id_hash = ?", [(x.id_hash,) for x in leases])
-                for key in {x.key for x in leases}:
-                    self._touch_usage(key)
+            self._db.executemany("DELETE FROM leases WHERE id_hash = ?", [(x.id_hash,) for x in leases])
         except sqlite3.Error:
             log.exception("leases: could not delete %d lease record(s) from %s", len(leases), db.FILENAME)
+        for key in {x.key for x in leases}:
+            self._touch_usage(key)
 
     def _touch_usage(self, key: str) -> None:
         # Last use = last acquire or release: an artifact held for days and
         # released a minute ago was used a minute ago (GC's LRU order).
-        now = int(time.time())
-        self._usage[key] = now
-        self._db.execute(
-            "INSERT INTO lease_usage (key, last_unix) VALUES (?, ?) "
-            "ON CONFLICT(key) DO UPDATE SET last_unix = excluded.last_unix",
-            (key, now),
-        )
+        # Written to disk by the reaper (flush_usage), not per call: a crash
+        # loses at most one reaper period of stamps, which only shifts GC
+        # order, and every acquire/release saves two statements.
+        self._usage[key] = int(time.time())
+        self._usage_dirty.add(key)
+
+    def flush_usage(self) -> int:
+        """Writes pending last-use stamps; returns how many. Caller holds
+        the lock."""
+        if not self._usage_dirty:
+            return 0
+        rows = [(k, self._usage[k]) for k in self._usage_dirty]
+        try:
+            self._db.executemany(
+                "INSERT INTO lease_usage (key, last_unix) VALUES (?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET last_unix = excluded.last_unix",
+                rows,
+            )
+        except sqlite3.Error:
+            log.exception("leases: could not write %d last-use stamp(s)", len(rows))
+            return 0
+        self._usage_dirty.clear()
+        return len(rows)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -242,6 +244,7 @@ class LeaseManager:
         if self._reaper is not None:
             self._reaper.join(timeout=5)
         with self._lock:
+            self.flush_usage()
             self._db.close()
 
     # -- sessions ----------------------------------------------------------------
@@ -459,6 +462,7 @@ class LeaseManager:
         with self._lock:
             if self._closing:
                 return 0, 0
+            self.flush_usage()
             stale = [s for s in self._sessions.values() if now - s.last_seen > timeout]
             dropped: list[_Lease] = []
             if now >= self._grace_deadline:
