@@ -111,7 +111,13 @@ def parse_layout(text: str | Mapping[str, Any] | None) -> dict[str, Any]:
     layout = dict(DEFAULT_LAYOUT)
     if not text:
         return layout
-    items = dict(text) if isinstance(text, Mapping) else dict(kv.split("=", 1) for kv in str(text).split(",") if kv)
+    if isinstance(text, Mapping):
+        items = dict(text)
+    else:
+        pairs = [kv.split("=", 1) for kv in str(text).split(",") if kv.strip()]
+        if any(len(p) != 2 for p in pairs):
+            raise InvalidArgument(f"layout {text!r}: expected key=value pairs, e.g. tp_rank=0,tp_size=2")
+        items = dict(pairs)
     for key, value in items.items():
         key = key.strip()
         if key not in layout:

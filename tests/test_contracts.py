@@ -85,6 +85,9 @@ def test_identity_follows_every_byte_relevant_input(ckpt, tmp_path):
     assert generic.identity(ckpt).key != GenericContract().identity(ckpt).key
     with pytest.raises(InvalidArgument, match="layout key"):
         parse_layout("dp_rank=1")
+    with pytest.raises(InvalidArgument, match="key=value"):
+        parse_layout("tp_rank")
+    assert parse_layout("tp_rank=1, tp_size=2")["tp_rank"] == 1
     with pytest.raises(InvalidArgument, match="expected one of"):
         get_contract("nope")
 
