@@ -98,7 +98,6 @@ class Daemon:
         # 3. Bind; rpcs answer UNAVAILABLE and health NOT_SERVING until ready.
         self._bind(cfg.socket, admin=False, mode=0o660, group=cfg.socket_group)
         self._bind(cfg.admin_socket, admin=True, mode=0o600, group="")
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         # 4. Recovery: the index must reflect the disk before any call is served.
         t0 = time.monotonic()
         if self.store is not None:
@@ -141,6 +140,11 @@ class Daemon:
         )
         servicer.add_to_server(server, self, admin=admin)
         hs = health.HealthServicer()
+        # grpc's HealthServicer answers SERVING for "" until told otherwise;
+        # say NOT_SERVING before the first connection can be accepted, or a
+        # client could see SERVING while rpcs still answer UNAVAILABLE.
+        for service in _SERVICES:
+            hs.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
         # umask 0177 while binding: the socket file is created 0600, never
         # briefly wider than intended; we widen the runtime socket below.
