@@ -185,3 +185,19 @@ def test_plan_layouts_sent_by_the_daemon_match_the_client(daemon):
         with pytest.raises(grpc.RpcError) as exc:
             next(events)
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_concurrent_publications_of_different_keys_all_commit(daemon):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int):
+        with daemon.client() as client:
+            return client.publish(identity(t="concurrent", i=i), sample_tensors(seed=i), ordered=bool(i % 2))
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        reports = list(pool.map(one, range(6)))
+    assert len({r.key for r in reports}) == 6 and not any(r.already_published for r in reports)
+    with daemon.client() as client:
+        reply = client.call(client.admin.VerifyArtifact, pb.VerifyArtifactRequest(all=True))
+        assert len(reply.results) == 6 and all(r.ok for r in reply.results)
+    assert os.listdir(os.path.join(daemon.root, "staging")) == []
