@@ -44,7 +44,15 @@ from typing import Any, Callable, Sequence
 import xxhash
 
 from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import FailedPrecondition, HwrError, Internal, InvalidArgument, ResourceExhausted
+from hwr_client.errors import (
+    Aborted,
+    FailedPrecondition,
+    HwrError,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from hwr_client.local import build_manifest
 from hwr_client.manifest import Manifest
 from hwr_client.plan import CheckedPlan, check_plan, from_proto
@@ -529,7 +537,16 @@ class Publication:
         if self.already_published:
             self._done = True
             self.store.count("already_published")
-            return Committed(self.key, self.store.manifest_json(self.key), 0, True)
+            try:
+                manifest_json = self.store.manifest_json(self.key)
+            except NotFound:
+                # GC or rm removed it after the plan was answered: nothing
+                # was written, so publishing again is safe.
+                raise Aborted(
+                    f"publication {self.pub_id}: artifact {self.key[:12]} was removed after the plan said "
+                    "already_published; publish again"
+                ) from None
+            return Committed(self.key, manifest_json, 0, True)
         self._check_complete()
         # 1. Every digest and every payload fsync.
         digests = self._digests_ordered() if self.checked.plan.ordered else self._digests_readback()

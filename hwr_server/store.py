@@ -202,8 +202,12 @@ class Store:
     def manifest_json(self, key: str) -> str:
         """The manifest.json text as stored (raises like :meth:`get`)."""
         self.get(key)
-        with open(os.path.join(self.artifact_dir(key), MANIFEST), encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(os.path.join(self.artifact_dir(key), MANIFEST), encoding="utf-8") as f:
+                return f.read()
+        except FileNotFoundError:
+            # Deleted (rm, GC) between the index check and the open.
+            raise NotFound(f"artifact {key[:12]}: removed while being read; expected a published identity key") from None
 
     def contains(self, key: str) -> bool:
         with self._lock:

@@ -127,6 +127,24 @@ def test_single_flight_and_already_published(tmp_path):
     assert store.stats()['hwr_publications_total{outcome="conflict"}'] == 1
 
 
+def test_already_published_then_collected_before_commit_is_aborted(tmp_path):
+    """GC may remove an unleased artifact between the plan's
+    already_published answer and the commit: the publisher gets a retryable
+    Aborted (it wrote nothing), never an internal error."""
+    store = make_store(tmp_path)
+    tensors = sample_tensors()
+    plan = build_plan(identity(t="raced"), tensors)
+    publish_inproc(store, plan, tensors)
+    again = Publication.begin(store, to_proto(plan))
+    assert again.already_published
+    store.delete(plan.identity.key)
+    with pytest.raises(Aborted, match="publish again"):
+        again.commit()
+    again.close()
+    with pytest.raises(NotFound):
+        store.manifest_json(plan.identity.key)
+
+
 def test_capacity_hook_refuses_before_staging(tmp_path):
     store = make_store(tmp_path, capacity=1000)
     plan = build_plan(identity(t="cap"), sample_tensors())
