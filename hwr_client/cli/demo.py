@@ -101,8 +101,8 @@ def run_prewarm(args: argparse.Namespace) -> int:
             tensors = contract.produce(args.checkpoint)
             report = client.publish(identity, tensors)
             del tensors
-            result = {"key": identity.key, "outcome": str(getattr(report, "outcome", "committed")),
-                      "bytes": int(getattr(report, "bytes", 0) or getattr(report, "size_bytes", 0) or 0),
+            result = {"key": report.key, "outcome": "already_published" if report.already_published else "committed",
+                      "bytes": report.manifest.size_bytes, "bytes_written": report.bytes_written,
                       "seconds": round(time.perf_counter() - t0, 3)}
     if args.json:
         print_json(result)
