@@ -1,0 +1,48 @@
+"""Manifest parsing: the reference writer's manifest round-trips, and every
+field a reader relies on is checked (a bad manifest is corruption)."""
+
+import hashlib
+import json
+
+import pytest
+
+from hwr_client.errors import InvalidArgument
+from hwr_client.identity import canonical_json
+from hwr_client.local import write_artifact
+from hwr_client.manifest import Manifest, content_digest
+from hwr_client.plan import build_plan
+from tests.conftest import identity, sample_tensors
+
+
+@pytest.fixture
+def manifest_doc(tmp_path):
+    manifest, _ = write_artifact(str(tmp_path), build_plan(identity(t="m"), sample_tensors()), sample_tensors())
+    return json.loads(manifest.to_json())
+
+
+def test_round_trip(manifest_doc):
+    m = Manifest.from_json(json.dumps(manifest_doc))
+    assert json.loads(m.to_json()) == manifest_doc
+
+
+def test_content_digest_is_the_canonical_json_digest():
+    rows = [("b", "BF16", (2, 3), "a" * 64), ("a", "F32", (), "b" * 64), ("ü", "U8", (0,), "c" * 64)]
+    expected = hashlib.sha256(canonical_json(sorted([n, d, list(s), h] for n, d, s, h in rows))).hexdigest()
+    assert content_digest(rows) == "sha256:" + expected
+    assert content_digest(reversed(rows)) == content_digest(rows)
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda d: d["tensors"][0].update(shape=[float(x) for x in d["tensors"][0]["shape"]]), "integers"),
+    (lambda d: d["tensors"][0].update(nbytes=d["tensors"][0]["nbytes"] + 1), "does not fit"),
+    (lambda d: d["tensors"][1].update(name=d["tensors"][0]["name"]), "duplicate tensor"),
+    (lambda d: d.update(key="0" * 64), "does not match its identity"),
+    (lambda d: d.update(content_digest="sha256:" + "0" * 64), "content_digest"),
+    (lambda d: d["blocks"][0].update(index=5), "block 0"),
+    (lambda d: d["files"][0].update(blob="XYZ"), "file 0"),
+    (lambda d: d.update(format_version=2), "format"),
+])
+def test_bad_fields_are_rejected(manifest_doc, mutate, needle):
+    mutate(manifest_doc)
+    with pytest.raises(InvalidArgument, match=needle):
+        Manifest.from_json(json.dumps(manifest_doc), what="m")
