@@ -230,7 +230,8 @@ def publish(
         return iter(shuffled)
 
     accepted_max = [0]
-    reqs = _Requests(to_proto(plan), pieces, progress, checked.total_bytes)
+    # Progress counts payload (data-region) bytes: headers are the daemon's to write.
+    reqs = _Requests(to_proto(plan), pieces, progress, sum(lay.data_size for lay in checked.layouts))
     try:
         stream = client.channel.stream_stream(
             PUBLISH_METHOD, request_serializer=_serialize, response_deserializer=pb.PublishEvent.FromString
