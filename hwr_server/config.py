@@ -92,7 +92,9 @@ class ServerConfig:
     max_chunk_bytes: int = 4 * 1024 * 1024
     #: Publications running at once; more wait at plan. Count.
     max_publications: int = 4
-    #: Threads hashing source files / verifying. Count; 0 = CPU count.
+    #: Threads hashing source files / verifying. Count; 0 = automatic: 2 x CPU
+    #: count for source files (a thread waiting on the disk leaves its core to
+    #: another), CPU count for read-back and verification.
     hash_threads: int = 0
     #: Prometheus: "127.0.0.1:9464" to serve on loopback, "" for none.
     metrics_listen: str = ""
