@@ -186,7 +186,7 @@ def run(gib: float, width: int, tokens: int, repeats: int, directory: str) -> di
     x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         blk(x)
-        compute = _sync_time(lambda: [blk(x) for _ in range(repeats)]) / repeats
+        compute = _sync_time(lambda b=blk: [b(x) for _ in range(repeats)]) / repeats
     del blk
     offload = {}
     outs = {}

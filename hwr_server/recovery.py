@@ -29,7 +29,7 @@ from hwr_client.errors import HwrError
 from hwr_client.identity import is_key
 from hwr_client.layout import parse_header
 from hwr_client.manifest import Manifest
-from hwr_server.publication import WholeHasher, parts_from_manifest, readback
+from hwr_server.hashing import WholeHasher, parts_from_manifest, readback
 
 log = logging.getLogger(__name__)
 

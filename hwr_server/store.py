@@ -30,7 +30,7 @@ from hwr_client.errors import Aborted, FailedPrecondition, InvalidArgument, NotF
 from hwr_client.identity import check_key
 from hwr_client.manifest import Manifest
 from hwr_server.config import ServerConfig
-from hwr_server.publication import tune_allocator
+from hwr_server.hashing import tune_allocator
 from hwr_server.recovery import RecoveryReport, recover, verify_artifact
 
 log = logging.getLogger(__name__)

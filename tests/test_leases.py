@@ -122,7 +122,7 @@ def test_keepalive_timeout_reaps(tmp_path):
 def test_restart_keeps_records_for_reattach(tmp_path):
     m = make(tmp_path, lease_grace_s=60)
     s = m.open_session(7, "w")
-    g1, g2 = m.acquire(s.session_id, KEY_A), m.acquire(s.session_id, KEY_B)
+    g1, _g2 = m.acquire(s.session_id, KEY_A), m.acquire(s.session_id, KEY_B)
     m.begin_shutdown()  # a graceful stop must not release
     m.end_session(s.session_id)
     m.stop()

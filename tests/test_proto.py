@@ -1,7 +1,6 @@
 """The committed stubs equal what the proto generates, and every rpc and
 field in the proto carries a comment."""
 
-import pathlib
 import re
 
 from hwr_client import protogen
