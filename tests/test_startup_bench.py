@@ -26,7 +26,16 @@ def test_startup_bench_quick(tmp_path):
         assert r["transport"]["cold"] == "ordinary" and r["h2d_bytes_per_forward"]["warm"] > 0
         assert 0.0 <= r["artifact_page_cache_residency"] <= 1.0 and r["fsync_s"] > 0
         assert r["registered_note"]  # no CUDA here: the registered row says why it is missing
-    assert "warm/ord" in proc.stdout
+        # Cold page cache: as many runs as the hot series, median reported,
+        # residency before the runs recorded (and flagged when eviction left
+        # > 5%), checkpoint hot again for the phases after it.
+        assert len(r["ordinary_cold_runs_s"]) == len(r["ordinary_runs_s"]) >= 1
+        assert r["ordinary_cold_s"] in r["ordinary_cold_runs_s"] and r["ordinary_cold_s"] > 0
+        assert 0.0 <= r["checkpoint_residency_before_cold"] <= 1.0
+        assert (r["ordinary_cold_note"] is None) == (r["checkpoint_residency_before_cold"] <= 0.05)
+        assert r["checkpoint_residency_after_rewarm"] > 0.95
+        assert r["speedup_warm_vs_ordinary_cold"] == round(r["ordinary_cold_s"] / r["warm_s"], 1)
+    assert "warm/ord" in proc.stdout and "ord cold-cache s" in proc.stdout
     try:
         import matplotlib  # noqa: F401
     except ImportError:
