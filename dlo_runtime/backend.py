@@ -45,7 +45,7 @@ from hwr_client.errors import FailedPrecondition, InvalidArgument
 from hwr_client.layout import ALIGN
 
 from dlo_runtime.cuda_host import Registrar, default_registrar
-from dlo_runtime.restore import module_tensors
+from dlo_runtime.restore import Slot, tensor_slots
 from dlo_runtime.transports import (
     MAX_CHUNK_BYTES, ORDINARY, STAGING, RegisteredRanges, RegistrationAborted, TransportChoice, choose_transport,
 )
@@ -129,50 +129,53 @@ def _view(raw: torch.Tensor, m: _Member) -> torch.Tensor:
     return raw[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)
 
 
-def _lease_blocks(root: nn.Module, streamed: Sequence[nn.Module], lease: Any) -> list[_Block]:
+def _lease_blocks(streamed: Sequence[tuple[str, nn.Module, list[Slot]]], lease: Any) -> list[_Block]:
     """Matches each streamed module to its manifest block by name prefix and
     checks that its tensors are bound to the lease's views.
+
+    Args:
+        streamed: (qualified name, module, its tensor slots) per block.
 
     Raises:
         FailedPrecondition: a block absent from the artifact, a tensor set
             that differs, or a tensor not bound to the lease (restore first).
     """
-    names = {id(m): n for n, m in root.named_modules()}
     by_prefix = {b.prefix: b for b in lease.blocks}
     entries = {t.name: t for t in lease.manifest.tensors}
     views = lease.tensors()
     out = []
-    for blk in streamed:
-        qual = names[id(blk)]
+    for qual, blk, slots in streamed:
         entry = by_prefix.get(qual + ".")
         if entry is None:
             raise FailedPrecondition(f"offload block {qual!r}: artifact has no block with prefix {qual + '.'!r}")
-        local = {qual + "." + n: (owner, attr, t, isp) for n, owner, attr, t, isp in module_tensors(blk)}
-        if set(local) != set(entry.tensors):
+        local = {qual + "." + s.name: s for s in slots}
+        if len(local) != len(entry.tensors) or not all(n in local for n in entry.tensors):
             diff = sorted(set(local) ^ set(entry.tensors))[:5]
             raise FailedPrecondition(f"offload block {qual!r}: tensors differ from artifact block {entry.index}: {diff}")
         members = []
         for name in entry.tensors:
-            owner, attr, t, isp = local[name]
-            if t.data_ptr() != views[name].data_ptr():
+            s, view = local[name], views[name]
+            t = s.tensor
+            if t.data_ptr() != view.data_ptr():
                 raise FailedPrecondition(f"offload block {qual!r}: {name} is not bound to the lease; call restore() first")
             te = entries[name]
-            members.append(_Member(blk.get_submodule(owner), attr, isp, te.offset - entry.begin, te.nbytes,
-                                   t.dtype, tuple(t.shape), views[name]))
+            members.append(_Member(s.module, s.attr, s.is_parameter, te.offset - entry.begin, te.nbytes,
+                                   t.dtype, tuple(t.shape), view))
         out.append(_Block(qual, blk, lease.block_bytes(entry.index), tuple(members)))
     return out
 
 
-def _pack_block(qual: str, blk: nn.Module, *, pin: bool) -> _Block:
+def _pack_block(qual: str, blk: nn.Module, slots: list[Slot], *, pin: bool) -> _Block:
     """Packs a block's tensors into one host buffer with the aligned layout
     and repoints them at it (the ordinary transport's one extra host copy;
     the original storage is released once nothing else references it)."""
     rows, pos = [], 0
-    for _, owner, attr, t, isp in module_tensors(blk):
+    for s in slots:
+        t = s.tensor
         if t.is_meta:
-            raise FailedPrecondition(f"offload block {qual!r}: {owner}.{attr} is on meta; load the model first")
+            raise FailedPrecondition(f"offload block {qual!r}: {s.name} is on meta; load the model first")
         pos = _align(pos)
-        rows.append((blk.get_submodule(owner), attr, isp, pos, t))
+        rows.append((s.module, s.attr, s.is_parameter, pos, t))
         pos += t.numel() * t.element_size()
     host = torch.empty(max(pos, 1), dtype=torch.uint8, pin_memory=pin)
     members = []
@@ -275,11 +278,15 @@ class OffloadBackend:
         streamed = self._all_blocks[self._resident :]
         pin = self._pin and self._cuda and not self._unified
         names = {id(m): n for n, m in self._module.named_modules()}
+        walks = [(names[id(b)], b, tensor_slots(b).slots) for b in streamed]
+        # Collected before packing repoints the block tensors: everything
+        # reachable from a streamed block stays on the host.
+        skip = {id(s.tensor) for _, _, slots in walks for s in slots}
         if self._lease is not None:
-            self._blocks = _lease_blocks(self._module, streamed, self._lease)
+            self._blocks = _lease_blocks(walks, self._lease)
         else:
-            self._blocks = [_pack_block(names[id(b)], b, pin=pin) for b in streamed]
-        self._make_resident(streamed)
+            self._blocks = [_pack_block(qual, b, slots, pin=pin) for qual, b, slots in walks]
+        self._make_resident(skip | {id(m.host) for b in self._blocks for m in b.members})
         self._choice = choose_transport(self._registrar, cap, self._lease, pin_memory=self._pin,
                                         registration_limit_gib=self._limit_gib, chunk_bytes=self._chunk_bytes)
         self._ranges = self._choice.ranges
@@ -303,12 +310,11 @@ class OffloadBackend:
             self._load(j, j)  # initial prefetch
         self.trail.append("prefetched")
 
-    def _make_resident(self, streamed: Sequence[nn.Module]) -> None:
+    def _make_resident(self, skip: set[int]) -> None:
         """Moves everything outside the streamed blocks (and streamed blocks'
-        non-persistent buffers) to the device once."""
+        non-persistent buffers) to the device once; ``skip`` holds the ids
+        of the streamed tensors and their host views."""
         assert self._module is not None
-        skip = {id(m.host) for b in self._blocks for m in b.members}
-        skip |= {id(t) for b in streamed for _, _, _, t, _ in module_tensors(b)}
         for mod in self._module.modules():
             for attr, p in mod._parameters.items():
                 if p is not None and id(p) not in skip and p.device != self.device:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import xxhash
@@ -32,23 +32,28 @@ from hwr_client.errors import FailedPrecondition
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class Binding:
+class Binding(NamedTuple):
     """One module tensor and the artifact view it will be bound to."""
 
     name: str  # qualified name in the module (== artifact tensor name)
     owner: str  # qualified name of the owning submodule
     attr: str  # attribute name inside the owner
     is_parameter: bool
+    module: nn.Module  # the owning submodule itself (commit binds without a lookup)
 
 
 @dataclasses.dataclass(frozen=True)
 class RestorePlan:
-    """A proven restore: what to bind, and from which lease (borrowed)."""
+    """A proven restore: what to bind, and from which lease (borrowed).
+
+    ``aliased``: some tensor has more than one owner (tied weights), so the
+    commit must rebind every alias, not just the first owner.
+    """
 
     bindings: tuple[Binding, ...]
     nbytes: int
     lease: Any = dataclasses.field(repr=False, compare=False)
+    aliased: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,30 +67,73 @@ class RestoreResult:
     copies: int = 0
 
 
+class Slot(NamedTuple):
+    """Where one parameter or persistent buffer lives in a module tree."""
+
+    name: str  # qualified name
+    owner: str  # qualified name of the owning submodule
+    module: nn.Module  # the owning submodule
+    attr: str
+    tensor: torch.Tensor
+    is_parameter: bool
+
+
+@dataclasses.dataclass
+class TensorSlots:
+    """One walk over a module tree: every parameter and persistent buffer
+    (a tensor with several owners is listed once, under its first name),
+    plus what a restore must also know about the rest of the tree."""
+
+    slots: list[Slot]
+    aliased: bool  # a tensor has two owners (tied weights); a shared
+    # submodule is not aliasing: its one table serves every name
+    meta_non_persistent: list[str]  # non-persistent buffers still on meta
+
+
+def tensor_slots(module: nn.Module) -> TensorSlots:
+    """Walks ``module`` once (see :class:`TensorSlots`).
+
+    This is the warm start's inner loop: it runs a few times per start over
+    every tensor of the model, so it touches each module's tables directly
+    instead of going through ``named_parameters``/``named_buffers``.
+    """
+    seen: set[int] = set()
+    slots: list[Slot] = []
+    meta_np: list[str] = []
+    aliased = False
+    for owner_name, owner in module.named_modules(remove_duplicate=False):
+        prefix = owner_name + "." if owner_name else ""
+        for attr, p in owner._parameters.items():
+            if p is None:
+                continue
+            if id(p) in seen:
+                aliased = True
+                continue
+            seen.add(id(p))
+            slots.append(Slot(prefix + attr, owner_name, owner, attr, p, True))
+        if not owner._buffers:
+            continue
+        non_persistent = owner._non_persistent_buffers_set
+        for attr, b in owner._buffers.items():
+            if b is None:
+                continue
+            if attr in non_persistent:
+                if b.is_meta:
+                    meta_np.append(prefix + attr)
+                continue
+            if id(b) in seen:
+                aliased = True
+                continue
+            seen.add(id(b))
+            slots.append(Slot(prefix + attr, owner_name, owner, attr, b, False))
+    return TensorSlots(slots, aliased, sorted(set(meta_np)))
+
+
 def module_tensors(module: nn.Module) -> Iterator[tuple[str, str, str, torch.Tensor, bool]]:
     """(qualified name, owner, attr, tensor, is_parameter) for every parameter
     and persistent buffer, shared tensors reported once."""
-    seen: set[int] = set()
-    for owner_name, owner in module.named_modules(remove_duplicate=False):
-        prefix = f"{owner_name}." if owner_name else ""
-        for attr, p in owner._parameters.items():
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                yield prefix + attr, owner_name, attr, p, True
-        for attr, b in owner._buffers.items():
-            if b is not None and attr not in owner._non_persistent_buffers_set and id(b) not in seen:
-                seen.add(id(b))
-                yield prefix + attr, owner_name, attr, b, False
-
-
-def _meta_non_persistent(module: nn.Module) -> list[str]:
-    out = []
-    for owner_name, owner in module.named_modules():
-        for attr in owner._non_persistent_buffers_set:
-            b = owner._buffers.get(attr)
-            if b is not None and b.is_meta:
-                out.append(f"{owner_name}.{attr}" if owner_name else attr)
-    return out
+    for s in tensor_slots(module).slots:
+        yield s.name, s.owner, s.attr, s.tensor, s.is_parameter
 
 
 def plan_restore(module: nn.Module, lease: Any) -> RestorePlan:
@@ -102,30 +150,34 @@ def plan_restore(module: nn.Module, lease: Any) -> RestorePlan:
         FailedPrecondition: naming every missing, extra or mismatching tensor.
     """
     views = lease.tensors()
+    walk = tensor_slots(module)
     problems: list[str] = []
     bindings: list[Binding] = []
     nbytes = 0
-    names: set[str] = set()
-    for name, owner, attr, t, is_param in module_tensors(module):
-        names.add(name)
-        v = views.get(name)
+    for s in walk.slots:
+        v = views.get(s.name)
         if v is None:
-            problems.append(f"{name}: missing from the artifact")
+            problems.append(f"{s.name}: missing from the artifact")
             continue
-        if tuple(v.shape) != tuple(t.shape) or v.dtype != t.dtype:
-            problems.append(f"{name}: artifact has {v.dtype} {list(v.shape)}, module expects {t.dtype} {list(t.shape)}")
+        t = s.tensor
+        if v.shape != t.shape or v.dtype != t.dtype:
+            problems.append(f"{s.name}: artifact has {v.dtype} {list(v.shape)}, module expects {t.dtype} {list(t.shape)}")
             continue
-        bindings.append(Binding(name, owner, attr, is_param))
-        nbytes += v.numel() * v.element_size()
-    extra = [n for n in views if n not in names]
-    problems += [f"{n}: in the artifact but not a parameter or persistent buffer of the module" for n in extra]
+        bindings.append(Binding(s.name, s.owner, s.attr, s.is_parameter, s.module))
+        nbytes += v.nbytes
+    if len(bindings) != len(views):
+        # Every binding matched a distinct view name, so equal counts mean
+        # no extras; only a mismatch needs the set difference.
+        names = {s.name for s in walk.slots}
+        problems += [f"{n}: in the artifact but not a parameter or persistent buffer of the module"
+                     for n in views if n not in names]
     problems += [f"{n}: non-persistent buffer left on meta (the artifact cannot restore it)"
-                 for n in _meta_non_persistent(module)]
+                 for n in walk.meta_non_persistent]
     if problems:
         key = getattr(getattr(lease, "manifest", None), "key", "?")
         shown = "; ".join(problems[:10]) + (f"; ... {len(problems) - 10} more" if len(problems) > 10 else "")
         raise FailedPrecondition(f"restore plan for artifact {key[:12]}: {len(problems)} mismatch(es): {shown}")
-    return RestorePlan(tuple(bindings), nbytes, lease)
+    return RestorePlan(tuple(bindings), nbytes, lease, walk.aliased)
 
 
 def commit_restore(module: nn.Module, plan: RestorePlan) -> RestoreResult:
@@ -141,22 +193,28 @@ def commit_restore(module: nn.Module, plan: RestorePlan) -> RestoreResult:
     replaced: dict[int, torch.Tensor] = {}  # id(old tensor) -> its replacement
     params = buffers = 0
     for b in plan.bindings:
-        owner = module.get_submodule(b.owner)
         view = views[b.name]
         if b.is_parameter:
-            old = owner._parameters[b.attr]
-            replaced[id(old)] = nn.Parameter(view, requires_grad=bool(old.requires_grad))
+            table = b.module._parameters
+            old = table[b.attr]
+            new = nn.Parameter(view, requires_grad=bool(old.requires_grad))
             params += 1
         else:
-            replaced[id(owner._buffers[b.attr])] = view
+            table = b.module._buffers
+            old, new = table[b.attr], view
             buffers += 1
-    # Every alias of a tensor (tied weights) gets the same replacement.
-    for mod in module.modules():
-        for table in (mod._parameters, mod._buffers):
-            for attr, t in table.items():
-                if t is not None and id(t) in replaced:
-                    table[attr] = replaced[id(t)]
-    left = [n for n, _, _, t, _ in module_tensors(module) if t.is_meta]
+        if plan.aliased:
+            replaced[id(old)] = new
+        else:
+            table[b.attr] = new
+    if plan.aliased:
+        # Every alias of a tensor (tied weights) gets the same replacement.
+        for mod in module.modules():
+            for table in (mod._parameters, mod._buffers):
+                for attr, t in table.items():
+                    if t is not None and id(t) in replaced:
+                        table[attr] = replaced[id(t)]
+    left = [s.name for s in tensor_slots(module).slots if s.tensor.is_meta]
     if left:
         raise FailedPrecondition(f"restore commit: {len(left)} tensor(s) still on meta after commit: {left[:5]}")
     log.info("restored %d parameters and %d buffers (%d bytes) from artifact %s with 0 copies",
@@ -189,11 +247,10 @@ def restore(module: nn.Module, lease: Any) -> RestoreResult:
 # -- shared finalization guard -------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorSnapshot:
+class TensorSnapshot(NamedTuple):
     data_ptr: int
     nbytes: int
-    digest: int  # xxh3_64 of the bytes
+    digest: int  # xxh3_64 of the bytes (0: inside a read-only mapping)
 
 
 def _digest(t: torch.Tensor) -> int:
@@ -206,10 +263,6 @@ def _digest(t: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(raw))
 
 
-def _within(ptr: int, nbytes: int, regions: Sequence[Any]) -> bool:
-    return any(r.address <= ptr and ptr + nbytes <= r.address + r.length for r in regions)
-
-
 def snapshot(module: nn.Module, regions: Sequence[Any] = ()) -> dict[str, TensorSnapshot]:
     """Data pointer, size and an xxh3 digest of every parameter and
     persistent buffer.
@@ -220,11 +273,13 @@ def snapshot(module: nn.Module, regions: Sequence[Any] = ()) -> dict[str, Tensor
             through it faults, and an unchanged pointer proves unchanged
             bytes. Its digest is recorded as 0.
     """
+    spans = [(r.address, r.address + r.length) for r in regions]
     out = {}
-    for name, _, _, t, _ in module_tensors(module):
-        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-        readonly = t.device.type == "cpu" and _within(ptr, nbytes, regions)
-        out[name] = TensorSnapshot(ptr, nbytes, 0 if readonly else _digest(t))
+    for s in tensor_slots(module).slots:
+        t = s.tensor
+        ptr, nbytes = t.data_ptr(), t.nbytes
+        readonly = t.is_cpu and any(a <= ptr and ptr + nbytes <= b for a, b in spans)
+        out[s.name] = TensorSnapshot(ptr, nbytes, 0 if readonly else _digest(t))
     return out
 
 
