@@ -13,9 +13,10 @@ Block j's forward pre-hook waits for its copy and binds its views; its
 forward hook records "compute done" on the slot, unbinds, and issues the copy
 of block j+2 into the same slot on the copy stream, which waits for that
 event first. So block j+1's copy is in flight while block j runs. With two
-or fewer streamed blocks everything stays loaded after the first copy. On CPU
-the copies are synchronous and the events absent; every other rule is the
-same code.
+or fewer streamed blocks everything stays loaded after the first copy. On a
+CPU "device" one copy thread plays the copy stream: copies run in issue order
+beside the compute, a block's pre-hook waits for its copy, and compute (which
+is synchronous there) needs no event; every other rule is the same code.
 
 Ownership: the backend takes the lease (from a :class:`LeaseCarrier`, once)
 before any asynchronous work, and its teardown runs, in order: drain device
@@ -34,8 +35,11 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import queue
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -112,6 +116,44 @@ class OffloadStats:
     registration_seconds: float
     registration_calls: int
     blocks: tuple[BlockStats, ...]
+
+
+class _CopyThread:
+    """The copy stream of a CPU "device": one thread that runs block copies
+    in the order they were issued, so the copy of block j+1 overlaps the
+    compute of block j the way an H2D copy on a CUDA copy stream does
+    (torch releases the GIL inside ``copy_``). Started on first use."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.ident: int | None = None  # the copying thread (tests check copies ran there)
+
+    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> concurrent.futures.Future:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dlo-copy", daemon=True)
+            self._thread.start()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((done, dst, src))
+        return done
+
+    def _run(self) -> None:
+        self.ident = threading.get_ident()
+        while (item := self._queue.get()) is not None:
+            done, dst, src = item
+            try:
+                dst.copy_(src)
+            except BaseException as exc:  # raised where the copy is waited for
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+    def close(self) -> None:
+        """Stops the thread after the copies already issued."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
 
 
 def _align(n: int) -> int:
@@ -244,6 +286,9 @@ class OffloadBackend:
         #: check the event ordering of the asynchronous schedule.
         self._cu: Any = torch.cuda
         self._async = self._cuda
+        #: Off CUDA: the copy thread and, per slot, its last copy in flight.
+        self._copier = _CopyThread()
+        self._pending: list[concurrent.futures.Future | None] = [None, None]
 
     # -- setup ----------------------------------------------------------------
 
@@ -352,9 +397,13 @@ class OffloadBackend:
                     self._staging_free[slot].record(self._copy_stream)
                 self._copy_done[slot].record(self._copy_stream)
         else:
+            # The slot's previous copy reads its staging slot and writes its
+            # buffer: it must finish before either is reused. (Its block's
+            # compute already finished: CPU compute is synchronous.)
+            self._wait_copy(slot)
             if self._staging:
                 src, host_copies = self._staging[slot][: blk.nbytes].copy_(src), 1
-            dst.copy_(src)
+            self._pending[slot] = self._copier.submit(dst, src)
         self._slot_block[slot] = j
         c = self._counts[j]
         c[0] += 1
@@ -370,6 +419,8 @@ class OffloadBackend:
         if self._async:
             # Compute must not read the buffer before its H2D copy landed.
             self._cu.current_stream(self.device).wait_event(self._copy_done[slot])
+        else:
+            self._wait_copy(slot)  # same rule, on the host
         raw = self._buffers[slot]
         for m in self._blocks[j].members:
             _set(m.owner, m.attr, m.is_parameter, _view(raw, m))
@@ -389,11 +440,24 @@ class OffloadBackend:
 
     # -- teardown --------------------------------------------------------------
 
+    def _wait_copy(self, slot: int) -> None:
+        """Waits for the copy in flight into ``slot`` (off CUDA); re-raises
+        its error."""
+        pending, self._pending[slot] = self._pending[slot], None
+        if pending is not None:
+            pending.result()
+
     def _drain(self) -> None:
         if self._async:
             # Pending H2D copies read the mapping/staging and kernels read the
             # buffers: both must finish before any of them is released.
             self._cu.synchronize(self.device)
+        else:
+            # Same rule for the copy thread. A copy's error was (or would have
+            # been) raised where its block waited; teardown must not stop on it.
+            concurrent.futures.wait([p for p in self._pending if p is not None])
+            self._pending = [None, None]
+            self._copier.close()
         self.trail.append("drain")
 
     def _release(self) -> None:

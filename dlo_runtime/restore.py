@@ -278,7 +278,12 @@ def snapshot(module: nn.Module, regions: Sequence[Any] = ()) -> dict[str, Tensor
     for s in tensor_slots(module).slots:
         t = s.tensor
         ptr, nbytes = t.data_ptr(), t.nbytes
-        readonly = t.is_cpu and any(a <= ptr and ptr + nbytes <= b for a, b in spans)
+        readonly = False
+        if t.is_cpu:
+            for a, b in spans:  # a plain loop: this runs per tensor on every warm start
+                if a <= ptr and ptr + nbytes <= b:
+                    readonly = True
+                    break
         out[s.name] = TensorSnapshot(ptr, nbytes, 0 if readonly else _digest(t))
     return out
 

@@ -207,7 +207,14 @@ class StartupTransaction:
 
     def _warm(self, lease: Any) -> StartupResult:
         self._enter(Stage.LEASE_OWNED_BY_LOADER)
-        skeleton = self.recipe.build_skeleton()
+        try:
+            skeleton = self.recipe.build_skeleton()
+        except BaseException as exc:
+            # The loader owns the lease: a failed build must not leak it.
+            lease.close()
+            self._record("close_lease", "loader (skeleton build failed)")
+            self._record("FAILED", f"build_skeleton: {exc}")
+            raise
         try:
             plan = plan_restore(skeleton, lease)
         except Exception as exc:

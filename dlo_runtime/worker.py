@@ -256,6 +256,8 @@ def start_worker(opts: WorkerOptions) -> Worker:
     report.producer_calls = contract.counters.producer_calls - counters0.producer_calls
     report.checkpoint_bytes_read = contract.counters.checkpoint_bytes_read - counters0.checkpoint_bytes_read
     report.bytes_materialized = contract.counters.bytes_materialized - counters0.bytes_materialized
+    # In service: what follows is reporting, not part of the start.
+    report.startup_s = round(phases.total(), 6)
     if report.outcome == "LOCAL_HIT":
         # Independent proof: every CPU tensor of the model lies in the
         # lease's mapping (device buffers are not model tensors between uses).
@@ -264,7 +266,6 @@ def start_worker(opts: WorkerOptions) -> Worker:
     if worker.handle is not None:
         stats = worker.handle.stats
         report.device_buffer_bytes, report.staging_bytes = 2 * stats.buffer_bytes, 2 * stats.staging_bytes
-    report.startup_s = round(phases.total(), 6)
     report.phases = {**phases.out, **report.phases}
     log.info("worker started: %s in %.3fs (materialized %d bytes, %d producer calls)",
              report.outcome, report.startup_s, report.bytes_materialized, report.producer_calls)

@@ -159,3 +159,65 @@ def test_stats_survive_close(tmp_path):
     before = handle.stats.blocks
     handle.close()
     assert handle.stats.blocks == before and sum(b.copies for b in before) == 5
+
+
+def test_cpu_copies_run_on_the_copy_thread_and_overlap_nothing_they_must_not(tmp_path, monkeypatch):
+    """Off CUDA one thread plays the copy stream. Every copy runs there;
+    a block's pre-hook waits for its own copy (parity over several passes
+    with a slowed copy proves nothing reads a buffer early)."""
+    import threading
+    import time as _time
+
+    from dlo_runtime import backend as B
+
+    ref, lease, skel = _warm(tmp_path, 5)
+    x = torch.randn(3, 8)
+    expected = ref(x)
+    copy_threads = []
+    real_copy = torch.Tensor.copy_
+
+    class SlowCopy(B._CopyThread):
+        def submit(self, dst, src):
+            def slow(*_a):
+                copy_threads.append(threading.get_ident())
+                _time.sleep(0.002)  # widen the window a missing wait would fall into
+                return real_copy(dst, src)
+            return super().submit(_Deferred(slow), src)
+
+    class _Deferred:
+        def __init__(self, fn):
+            self.copy_ = fn
+
+    monkeypatch.setattr(B, "_CopyThread", SlowCopy)
+    handle = enable_layerwise_offload(skel, list(skel.blocks), device="cpu", source=LeaseCarrier(lease))
+    try:
+        for _ in range(3):
+            assert torch.equal(skel(x), expected)
+        total = sum(b.copies for b in handle.stats.blocks)
+    finally:
+        handle.close()
+    assert len(copy_threads) == total > 0
+    assert threading.get_ident() not in copy_threads and len(set(copy_threads)) == 1
+    assert lease.closed == 1
+
+
+def test_cpu_copy_error_surfaces_at_the_block_and_teardown_still_closes(tmp_path, monkeypatch):
+    from dlo_runtime import backend as B
+
+    ref, lease, skel = _warm(tmp_path, 4)
+    calls = []
+
+    class FailingThird(B._CopyThread):
+        def submit(self, dst, src):
+            calls.append(1)
+            if len(calls) == 3:  # block 2's copy, issued after block 0 ran
+                bad = torch.empty(1, dtype=torch.uint8)
+                return super().submit(bad, src)  # size mismatch: copy_ raises on the copy thread
+            return super().submit(dst, src)
+
+    monkeypatch.setattr(B, "_CopyThread", FailingThird)
+    handle = enable_layerwise_offload(skel, list(skel.blocks), device="cpu", source=LeaseCarrier(lease))
+    with pytest.raises(RuntimeError):
+        skel(torch.randn(2, 8))
+    handle.close()
+    assert lease.closed == 1

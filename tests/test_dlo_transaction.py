@@ -133,6 +133,20 @@ def test_plan_failure_required_fails_and_closes(tmp_path):
     assert all(p.is_meta for p in c.skeletons[0].parameters())
 
 
+@pytest.mark.parametrize("mode", ["preferred", "required"])
+def test_skeleton_build_failure_after_a_hit_closes_the_loaders_lease(tmp_path, mode):
+    lease = TestLease(make_artifact(tmp_path, reference(N)))
+
+    def build():
+        raise ValueError("config.json: hidden must be divisible by heads")
+
+    tx = StartupTransaction(mode, ModelRecipe(build, lambda s, o: s, lambda m: list(m.blocks)), lambda: lease)
+    with pytest.raises(ValueError, match="divisible"):
+        tx.run()
+    assert lease.closed == 1
+    assert _steps(tx)[-2:] == ["close_lease", "FAILED"]
+
+
 def _failing_backend_tx(tmp_path, mode):
     lease = TestLease(make_artifact(tmp_path, reference(N)), fail_block_bytes=True)
     c = Counters()
