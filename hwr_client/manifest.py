@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import operator
 import re
 from typing import Any, Iterable
 
@@ -25,6 +26,12 @@ FORMAT = "hwr-manifest"
 FORMAT_VERSION = 1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+# For Manifest._from_doc_fast.
+_ITEMSIZES = {name: itemsize for name, (_, itemsize) in DTYPES.items()}
+_TENSOR_FIELDS = operator.itemgetter("name", "file", "dtype", "shape", "offset", "nbytes", "sha256")
+_BLOCK_FIELDS = operator.itemgetter("index", "prefix", "file", "begin", "end", "xxh3_128", "tensors")
+_HEX_DIGITS = b"0123456789abcdef"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +81,17 @@ def content_digest(tensors: Iterable[tuple[str, str, Iterable[int], str]]) -> st
         if not (type(row[0]) is str and type(row[1]) is str and type(row[3]) is str
                 and all(type(d) is int for d in row[2])):
             raise InvalidArgument(f"content digest: tensor row {row!r} must hold strings and integer dims")
-    text = json.dumps(rows, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return _digest_sorted_rows(rows)
+
+
+# json.dumps(rows, **these options) builds this same encoder on every call.
+_DIGEST_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _digest_sorted_rows(rows: list) -> str:
+    """The digest of rows already sorted and checked (see content_digest).
+    Tuples encode exactly like lists."""
+    text = _DIGEST_ENCODER.encode(rows)
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -132,11 +149,129 @@ class Manifest:
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"{what}: not valid JSON ({exc})") from None
         try:
-            return cls._from_doc(doc, what)
+            # The fast path vouches only for manifests the full check accepts,
+            # with the same result; for anything else (a problem, or a value
+            # it does not handle) the full check runs and says what is wrong.
+            manifest = cls._from_doc_fast(doc)
+            return manifest if manifest is not None else cls._from_doc(doc, what)
         except InvalidArgument:
             raise
         except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise InvalidArgument(f"{what}: malformed ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def _from_doc_fast(cls, doc: Any) -> "Manifest | None":
+        """:meth:`_from_doc` for well-formed manifests (every warm start): one
+        pass over the tensors, names and hashes checked all at once, entries
+        made without the frozen dataclasses' per-field ``__init__``.
+
+        Args:
+            doc: what ``json.loads`` returned.
+
+        Returns the manifest :meth:`_from_doc` would return, or None where
+        :meth:`_from_doc` might reject the document or where a value falls
+        outside the plain cases handled here (a shape that is not a list of
+        ints, a name of over 256 characters or with a '"', ...). It never
+        raises; on None the caller runs :meth:`_from_doc`, which accepts or
+        reports the first problem exactly as it always has.
+        """
+        try:
+            return cls._from_doc_fast_unchecked(doc)
+        except Exception:  # noqa: BLE001 - anything unexpected: let the full check decide
+            return None
+
+    @classmethod
+    def _from_doc_fast_unchecked(cls, doc: Any) -> "Manifest | None":
+        if type(doc) is not dict or doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
+            return None
+        identity = Identity.from_dict(doc["identity"])
+        key = doc["key"]
+        if identity.key != key:
+            return None
+        doc_files, doc_tensors, doc_blocks = doc["files"], doc["tensors"], doc["blocks"]
+        if type(doc_files) is not list or type(doc_tensors) is not list or type(doc_blocks) is not list:
+            return None
+        if not doc_files or not doc_tensors:
+            return None
+        files = tuple(FileEntry(**f) for f in doc_files)
+        for i, f in enumerate(files):
+            if f.index != i or not _HEX64.match(f.blob) or not _HEX32.match(f.xxh3_128) or f.size <= 0:
+                return None
+        n_files = len(files)
+        data_starts = [f.data_start for f in files]
+        sizes = [f.size for f in files]
+
+        new, setattr_, itemsizes, fields = object.__new__, object.__setattr__, _ITEMSIZES, _TENSOR_FIELDS
+        tensors, names, shas, rows = [], [], [], []
+        for t in doc_tensors:
+            name, file, dtype, shape, offset, nbytes, sha = fields(t)
+            # The same operations on the same values as in _from_doc, except
+            # where noted; names and hashes are checked together below.
+            size = itemsizes.get(dtype)
+            if size is None or type(shape) is not list or not (0 <= file < n_files):
+                return None
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    return None
+                size *= d
+            if size != nbytes or offset < data_starts[file] or offset + nbytes > sizes[file]:
+                return None
+            entry = new(TensorEntry)
+            # What the dataclass __init__ stores, in field order.
+            setattr_(entry, "__dict__", {"name": name, "file": file, "dtype": dtype, "shape": tuple(shape),
+                                          "offset": offset, "nbytes": nbytes, "sha256": sha})
+            tensors.append(entry)
+            names.append(name)
+            shas.append(sha)
+            # The content digest's JSON row as its encoder writes it, given
+            # int dims (list repr "[2, 3]") and the names and hashes checked
+            # below: JSON escapes none of their characters.
+            rows.append(f'["{name}","{dtype}",{str(shape).replace(" ", "")},"{sha}"]')
+        # check_tensor_name for every name at once: each is a non-empty str
+        # (str.join takes nothing else) of at most 256 characters, so of at
+        # most 1024 UTF-8 bytes. Joined by "/", which no name may contain
+        # (hence the count), the text is printable (NUL is not) and has no
+        # "\\" or ".." (one cannot span a "/") exactly when every name
+        # qualifies; "/__hwr" finds the reserved prefix at any name's start.
+        # A '"' is allowed, but JSON escapes it: the full check takes those.
+        joined = "/" + "/".join(names)
+        if (max(map(len, names)) > 256 or not all(names) or joined.count("/") != len(names)
+                or not joined.isprintable() or "\\" in joined or ".." in joined or "/__hwr" in joined
+                or '"' in joined):
+            return None
+        seen = set(names)
+        if len(seen) != len(names) or "__metadata__" in seen:
+            return None  # a duplicate or reserved name
+        # _HEX64 for every hash at once: 64 characters each (str.join takes
+        # only str), all of them ASCII and, deleting hex digits, none left.
+        if set(map(len, shas)) != {64} or "".join(shas).encode("ascii").translate(None, _HEX_DIGITS):
+            return None
+
+        blocks = []
+        hex32 = _HEX32.match
+        for i, b in enumerate(doc_blocks):
+            index, prefix, file, begin, end, xxh, block_names = _BLOCK_FIELDS(b)
+            if index != i or not (0 <= file < n_files) or not (0 <= begin <= end <= sizes[file]):
+                return None
+            block_names = tuple(block_names)
+            if not hex32(xxh) or not block_names or not seen.issuperset(block_names):
+                return None
+            entry = new(BlockEntry)
+            setattr_(entry, "__dict__", {"index": index, "prefix": prefix, "file": file, "begin": begin, "end": end,
+                                          "xxh3_128": xxh, "tensors": block_names})
+            blocks.append(entry)
+
+        # content_digest's text, byte for byte: names are unique, so ordering
+        # by name alone is the order sorted() gives its rows.
+        order = sorted(range(len(names)), key=names.__getitem__)
+        text = "[" + ",".join([rows[i] for i in order]) + "]"
+        digest = "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+        if digest != doc["content_digest"]:
+            return None
+        created = doc["created_unix"]
+        if type(created) is not int:
+            return None
+        return cls(key, identity, digest, created, files, tuple(tensors), tuple(blocks))
 
     @classmethod
     def _from_doc(cls, doc: dict[str, Any], what: str) -> "Manifest":

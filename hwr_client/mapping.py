@@ -17,6 +17,7 @@ reference to the mapping until it has unregistered the range.
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 import warnings
@@ -26,7 +27,7 @@ import torch
 
 from hwr_client.errors import FailedPrecondition
 from hwr_client.layout import DTYPES
-from hwr_client.manifest import BlockEntry, Manifest
+from hwr_client.manifest import BlockEntry, Manifest, TensorEntry
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -54,6 +55,11 @@ def _readonly_frombuffer(mm: mmap.mmap) -> torch.Tensor:
         # enforces it (a write faults), which is exactly what we want.
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+#: What MappedArtifact._view_plan returns for values a validated manifest
+#: does not hold (no offset is in range, so its tensors take the slice path).
+_NO_PLAN = (None, 1, (), -1, -1)
 
 
 class MappedArtifact:
@@ -114,11 +120,66 @@ class MappedArtifact:
         self._check_open()
         if self._tensors is None:
             out = {}
+            # Each view is what _slice_view builds (same storage, data_ptr,
+            # shape, strides), made in one call on a view of its whole file
+            # at its dtype. Anything else (an offset that is not a multiple
+            # of the itemsize, a value a validated manifest does not hold)
+            # takes _slice_view itself, errors included.
+            plans: dict = {}  # (file, dtype, shape) -> _view_plan's tuple
+            bases: dict = {}  # (file, dtype) -> the whole file at dtype
+            as_strided = torch.as_strided
             for t in self.manifest.tensors:
-                raw = self._bytes[t.file][t.offset : t.offset + t.nbytes]
-                out[t.name] = raw.view(DTYPES[t.dtype][0]).view(t.shape)
+                key = (t.file, t.dtype, t.shape)
+                try:
+                    base, itemsize, strides, size, last = plans[key]
+                except KeyError:
+                    base, itemsize, strides, size, last = plans[key] = self._view_plan(key, bases)
+                except TypeError:  # unhashable
+                    base, itemsize, strides, size, last = _NO_PLAN
+                offset, nbytes = t.offset, t.nbytes
+                if (nbytes == size and type(offset) is int and type(nbytes) is int and offset % itemsize == 0
+                        and 0 <= offset <= last):
+                    out[t.name] = as_strided(base, t.shape, strides, offset // itemsize)
+                else:
+                    out[t.name] = self._slice_view(t)
             self._tensors = out
         return self._tensors
+
+    def _slice_view(self, t: TensorEntry) -> torch.Tensor:
+        """Tensor ``t``'s view as bytes sliced from its file, then viewed at
+        its dtype and shape."""
+        raw = self._bytes[t.file][t.offset : t.offset + t.nbytes]
+        return raw.view(DTYPES[t.dtype][0]).view(t.shape)
+
+    def _view_plan(self, key: tuple, bases: dict) -> tuple:
+        """How :meth:`tensors` views a tensor of ``key`` = (file, dtype,
+        shape): (the whole file at dtype, itemsize, contiguous strides,
+        nbytes, the largest offset at which it fits the file); or
+        :data:`_NO_PLAN` where one of them is not a plain value of this
+        artifact. ``bases`` caches the whole-file views by (file, dtype)."""
+        file, dtype, shape = key
+        if type(file) is not int or not (0 <= file < len(self._bytes)) or type(dtype) is not str or dtype not in DTYPES:
+            return _NO_PLAN
+        if type(shape) is not tuple:
+            return _NO_PLAN
+        strides, step = [], 1
+        for d in reversed(shape):
+            if type(d) is not int or d < 0:
+                return _NO_PLAN
+            # As view() strides a contiguous tensor, a zero-size one too: the
+            # product of the later sizes, a size 0 counting as 1.
+            strides.append(step)
+            step *= d or 1
+        strides.reverse()
+        torch_dtype, itemsize = DTYPES[dtype]
+        whole = self._bytes[file]
+        size = whole.numel()
+        base = bases.get((file, dtype))
+        if base is None:
+            # The whole file at dtype, less a last partial element.
+            base = bases[file, dtype] = whole[: size - size % itemsize].view(torch_dtype)
+        nbytes = math.prod(shape) * itemsize
+        return base, itemsize, tuple(strides), nbytes, size - nbytes
 
     def block_bytes(self, index: int) -> torch.Tensor:
         """A read-only uint8 view of block ``index``'s contiguous byte range."""
