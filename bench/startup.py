@@ -210,6 +210,9 @@ class Bench:
     def measure(self, size: int, base: dict[str, int]) -> dict[str, Any]:
         args, n = self.args, self.args.workers
         ckpt = self.checkpoint(size)
+        # Both "hot" claims are measured, not assumed: an idle node's reclaim
+        # (e.g. DAMON) may page out cold file pages between phases.
+        hot_before = mincore_fraction(checkpoint_files(ckpt))
         _say("  ordinary (HWR disabled, resident)")
         ordinary = self.group(ckpt, "disabled", 1, offload=False)[0]
         reference = ordinary["output_sha256"]
@@ -221,6 +224,7 @@ class Bench:
         artifact = sum(os.path.getsize(p) for p in blobs)
         fsync_s = write_fsync_seconds(self.root, artifact)
         staging_extra: tuple[str, ...] = ("--registration-limit-gib", "1e-9") if args.device.startswith("cuda") else ()
+        warm_before = mincore_fraction(blobs)
         _say("  warm (staging), 1 worker")
         warm = self.group(ckpt, "preferred", 1, extra=staging_extra)[0]
         warm["startup_runs"] = self.repeat(ckpt, "preferred", warm, extra=staging_extra)
@@ -236,8 +240,11 @@ class Bench:
             _say(f"  ordinary, {n} workers at once")
             ordinary_n = self.group(ckpt, "disabled", n, offload=False)
         shutil.rmtree(ckpt, ignore_errors=True)
-        return self._summary(size, artifact, fsync_s, residency, base, ordinary, ordinary_cold, cold, warm,
-                             registered, warm_n, ordinary_n, reference)
+        out = self._summary(size, artifact, fsync_s, residency, base, ordinary, ordinary_cold, cold, warm,
+                            registered, warm_n, ordinary_n, reference)
+        out["checkpoint_residency_before_hot"] = round(hot_before, 4)
+        out["artifact_residency_before_warm"] = round(warm_before, 4)
+        return out
 
     def ordinary_cold(self, ckpt: str) -> dict[str, Any]:
         """``--repeat`` ordinary runs, each right after evicting the checkpoint
