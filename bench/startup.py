@@ -118,18 +118,14 @@ def checkpoint_files(directory: str) -> list[str]:
 
 
 def evict_from_page_cache(paths: list[str]) -> None:
-    """Drops these files' pages from the page cache, and only theirs:
-    ``os.sync()`` once (dirty pages cannot be dropped), then
-    ``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file. Not
-    ``/proc/sys/vm/drop_caches``: that would also evict the HWR artifact the
-    warm path maps, and whatever else runs on the node."""
-    os.sync()
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    """Drops these files' pages from the page cache, and only theirs
+    (``os.sync()``, then ``POSIX_FADV_DONTNEED`` per file, as
+    bench/sources.py does). Not ``/proc/sys/vm/drop_caches``: that would
+    also evict the HWR artifact the warm path maps, and whatever else runs
+    on the node."""
+    from bench.sources import drop_page_cache
+
+    drop_page_cache(paths, system_wide=False)
 
 
 def read_into_page_cache(paths: list[str]) -> None:
