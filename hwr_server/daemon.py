@@ -32,6 +32,7 @@ from hwr_client.client import MAX_MESSAGE_BYTES
 from hwr_client.errors import FailedPrecondition, InvalidArgument
 from hwr_server import servicer
 from hwr_server.config import ServerConfig
+from hwr_server.hashing import tune_allocator
 from hwr_server.lock import InstanceLock
 
 log = logging.getLogger(__name__)
@@ -248,6 +249,9 @@ def _unlink_quietly(path: str) -> None:
 
 def serve(config: ServerConfig, environ: dict[str, str]) -> int:
     """Runs a daemon until SIGTERM/SIGINT; returns the exit code."""
+    # Process-wide malloc settings for payload buffers (see tune_allocator):
+    # applied by the daemon process only, never by a library user of Store.
+    tune_allocator()
     daemon = Daemon(config)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.request_stop())

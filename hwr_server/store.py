@@ -30,7 +30,6 @@ from hwr_client.errors import Aborted, FailedPrecondition, InvalidArgument, NotF
 from hwr_client.identity import check_key
 from hwr_client.manifest import Manifest
 from hwr_server.config import ServerConfig
-from hwr_server.hashing import tune_allocator
 from hwr_server.recovery import RecoveryReport, recover, verify_artifact
 
 log = logging.getLogger(__name__)
@@ -129,8 +128,6 @@ class Store:
         self.quarantine_dir = os.path.join(self.root, "quarantine")
         for d in (self.blobs_dir, self.artifacts_dir, self.staging_dir, self.quarantine_dir):
             os.makedirs(d, mode=0o755, exist_ok=True)
-        # The daemon moves payload through multi-MiB buffers; see tune_allocator.
-        tune_allocator()
         #: callable(nbytes) run at publication plan; raises ResourceExhausted.
         #: The GC replaces it with one that collects first.
         self.capacity_hook: Callable[[int], None] = self.default_capacity_hook
