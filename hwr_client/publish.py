@@ -103,19 +103,31 @@ def _serialize(request: pb.PublishRequest | bytes) -> bytes:
 
 
 def iter_pieces(checked: CheckedPlan, tensors: Mapping[str, torch.Tensor], message_bytes: int) -> Iterator[_Piece]:
-    """Payload of every file, in order, as messages of at most
-    ``message_bytes`` (views only; bytes are materialized when sent)."""
+    """Payload of every file, in order, as messages of exactly
+    ``message_bytes`` (the last of each file may be shorter); views only,
+    bytes are materialized when sent.
+
+    Why exactly: a file's data region is contiguous, so a message may end
+    inside a tensor. Messages of one size let the allocator hand the same
+    buffer back for every message; messages that stopped at tensor edges
+    varied in size, and each one page-faulted a fresh buffer (measured on
+    the 926-tensor reference DiT: 0.45 CPU-s/GB to build the messages
+    against 0.16 with 40 large tensors).
+    """
     for fi, lay in enumerate(checked.layouts):
         parts: list[memoryview] = []
         start = size = 0
         for off, data in iter_payload(lay, tensors, message_bytes):
-            if parts and size + len(data) > message_bytes:
-                yield _Piece(fi, start, tuple(parts))
-                parts, size = [], 0
-            if not parts:
-                start = off
-            parts.append(data)
-            size += len(data)
+            while data:
+                if not parts:
+                    start = off
+                take = data[: message_bytes - size]
+                parts.append(take)
+                size += len(take)
+                off, data = off + len(take), data[len(take):]
+                if size == message_bytes:
+                    yield _Piece(fi, start, tuple(parts))
+                    parts, size = [], 0
         if parts:
             yield _Piece(fi, start, tuple(parts))
 

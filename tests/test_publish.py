@@ -65,6 +65,31 @@ def test_large_tensors_are_sliced_and_small_ones_coalesced(daemon):
     assert reply.results[0].ok and reply.results[0].bytes_checked == report.manifest.size_bytes
 
 
+@pytest.mark.parametrize("message_bytes", [1 << 20, 4096 + 17])
+def test_messages_are_full_and_cover_each_data_region_in_order(message_bytes):
+    """Every message but a file's last is exactly ``message_bytes`` (one
+    buffer size for the allocator to reuse), and the messages of a file,
+    joined, are its data region byte for byte."""
+    from hwr_client.plan import iter_payload
+    from hwr_client.publish import iter_pieces
+
+    tensors = {f"blocks.{i}.w": torch.randn(300 + 97 * i, 33) for i in range(6)}  # odd sizes: pads and splits
+    tensors.update({f"blocks.{i}.b": torch.randn(7) for i in range(6)})
+    checked = check_plan(build_plan(identity(t="pieces"), tensors))
+    pieces = list(iter_pieces(checked, tensors, message_bytes))
+    for fi, lay in enumerate(checked.layouts):
+        mine = [p for p in pieces if p.file_index == fi]
+        assert all(p.nbytes == message_bytes for p in mine[:-1])
+        assert 0 < mine[-1].nbytes <= message_bytes
+        assert [p.offset for p in mine] == [k * message_bytes for k in range(len(mine))]
+        sent = b"".join(bytes(part) for p in mine for part in p.parts)
+        region = b"".join(bytes(d) for _, d in iter_payload(lay, tensors, 1 << 30))
+        assert sent == region and len(sent) == lay.data_size
+        for p in mine:  # and each message decodes to the same bytes
+            chunk = pb.PublishRequest.FromString(p.request()).chunk
+            assert (chunk.file_index, chunk.offset, chunk.data) == (fi, p.offset, b"".join(bytes(x) for x in p.parts))
+
+
 def test_second_publisher_of_a_key_is_aborted_at_plan(daemon):
     tensors = sample_tensors()
     plan = build_plan(identity(t="flight"), tensors)
