@@ -32,7 +32,7 @@ from dlo_runtime import enable_layerwise_offload, restore  # noqa: E402
 from dlo_runtime.cuda_host import HostCapability  # noqa: E402
 from hwr_client.lease import local_lease  # noqa: E402
 from hwr_client.local import write_artifact  # noqa: E402
-from hwr_client.plan import build_plan  # noqa: E402
+from hwr_client.tensors import build_plan  # noqa: E402
 
 IDENTITY = {
     "contract": {"name": "bench-dlo-cpu", "version": 1},

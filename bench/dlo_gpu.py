@@ -37,7 +37,7 @@ from dlo_runtime.cuda_host import CudaRegistrar, NullRegistrar  # noqa: E402
 from dlo_runtime.transports import register_regions  # noqa: E402
 from hwr_client.lease import local_lease  # noqa: E402
 from hwr_client.local import write_artifact  # noqa: E402
-from hwr_client.plan import build_plan  # noqa: E402
+from hwr_client.tensors import build_plan  # noqa: E402
 
 GIB = 1024**3
 IDENTITY = {

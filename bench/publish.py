@@ -43,8 +43,9 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from hwr_client.plan import build_plan, check_plan, iter_payload  # noqa: E402
-from hwr_server.config import parse_size  # noqa: E402
+from hwr_client.core.plan import check_plan  # noqa: E402
+from hwr_client.tensors import build_plan, iter_payload
+from hwr_client.core.defaults import parse_size  # noqa: E402
 from tests.daemon import cleanup, make_daemon  # noqa: E402
 
 MB = 1e6
@@ -95,7 +96,7 @@ def raw_write_fsync(directory: str, tensors: dict[str, torch.Tensor]) -> tuple[f
 
 
 def sha_1core(tensors: dict[str, torch.Tensor]) -> tuple[float, int]:
-    from hwr_client.plan import tensor_bytes
+    from hwr_client.tensors import tensor_bytes
 
     h, total = hashlib.sha256(), 0
     t0 = time.perf_counter()

@@ -156,7 +156,7 @@ def run_case(args: argparse.Namespace, client: hwr_client.Client, socket: str, s
     for v in variants:
         if v.startswith("load_file"):
             row[f"speedup_vs_{v.replace(' ', '_')}"] = row[f"{v}_s"] / row["hwr_s"]
-    client.call(client.admin.DeleteArtifact, hwr_client._proto.hwr_pb2.DeleteArtifactRequest(key=key))
+    client.call(client.admin.DeleteArtifact, hwr_client.core._proto.hwr_pb2.DeleteArtifactRequest(key=key))
     return row
 
 

@@ -2,7 +2,7 @@
 a lease's mapped bytes (or from packed ordinary tensors).
 
 Each streamed block is ONE contiguous byte range with the artifact's aligned
-layout (every tensor 64-byte aligned, see :mod:`hwr_client.layout`). Moving a
+layout (every tensor 64-byte aligned, see :mod:`hwr_client.core.layout`). Moving a
 block is one copy into a uint8 device buffer sized to the largest block; the
 block's parameters then become dtype views into that buffer for the duration
 of its forward, and point back at their host views afterwards, so between
@@ -45,8 +45,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from hwr_client.errors import FailedPrecondition, InvalidArgument
-from hwr_client.layout import ALIGN
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument
+from hwr_client.core.layout import ALIGN
 
 from dlo_runtime.cuda_host import Registrar, default_registrar
 from dlo_runtime.restore import Slot, tensor_slots

@@ -27,8 +27,9 @@ from typing import Callable, Iterable, Iterator, MutableMapping, Sequence
 import torch
 from torch import nn
 
-from hwr_client.errors import FailedPrecondition
-from hwr_client.layout import DTYPES, parse_header
+from hwr_client.core.errors import FailedPrecondition
+from hwr_client.core.layout import parse_header
+from hwr_client.tensors import TORCH_DTYPES
 
 from dlo_runtime.restore import module_tensors
 
@@ -148,4 +149,4 @@ def _read_tensor(f, data_start: int, e, path: str) -> torch.Tensor:
     f.seek(data_start + e.begin)
     if e.end > e.begin and f.readinto(memoryview(buf.numpy())) != e.end - e.begin:
         raise FailedPrecondition(f"checkpoint {path}: short read of tensor {e.name!r}")
-    return buf.view(DTYPES[e.dtype][0]).view(e.shape)
+    return buf.view(TORCH_DTYPES[e.dtype]).view(e.shape)

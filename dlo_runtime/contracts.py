@@ -17,7 +17,7 @@ A contract is the template a model author fills in to use HWR. It says:
 - **how to build an empty model**: :meth:`Contract.build_skeleton` (meta
   device, runtime dtypes), which a warm start restores from a lease;
 - **which sources it reads**: :meth:`Contract.source_files`, hashed into the
-  :class:`~hwr_client.identity.Identity` by :meth:`Contract.identity`.
+  :class:`~hwr_client.core.identity.Identity` by :meth:`Contract.identity`.
 
 Two contracts ship:
 
@@ -52,10 +52,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from hwr_client.errors import FailedPrecondition, InvalidArgument
-from hwr_client.identity import Identity
-from hwr_client.layout import parse_header, torch_dtype
-from hwr_client.plan import derive_blocks
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument
+from hwr_client.core.identity import Identity
+from hwr_client.core.layout import parse_header
+from hwr_client.tensors import torch_dtype
+from hwr_client.core.plan import derive_blocks
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import torch
 import xxhash
 from torch import nn
 
-from hwr_client.errors import FailedPrecondition
+from hwr_client.core.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from hwr_client.carrier import LeaseCarrier
-from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound
 
 from dlo_runtime.backend import OffloadBackend
 from dlo_runtime.canonical import CanonicalOptions

@@ -39,7 +39,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from hwr_client.errors import Internal
+from hwr_client.core.errors import Internal
 from hwr_client.mapping import PAGE_SIZE, Region
 
 from dlo_runtime.cuda_host import HOST_REGISTER_DEFAULT, HOST_REGISTER_READ_ONLY, HostCapability, Registrar

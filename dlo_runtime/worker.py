@@ -232,7 +232,7 @@ def _recipe(opts: WorkerOptions, contract: Contract, phases: _Phases, pending: l
 def _start_resident(opts: WorkerOptions, contract: Contract, phases: _Phases) -> Worker:
     """The ordinary worker: canonical load, model resident, no HWR, no DLO."""
     if opts.mode != "disabled":
-        from hwr_client.errors import InvalidArgument
+        from hwr_client.core.errors import InvalidArgument
 
         raise InvalidArgument(f"worker without offload: only mode 'disabled' is supported, got {opts.mode!r}")
     model = contract.build_skeleton(opts.checkpoint)
@@ -259,7 +259,7 @@ def start_worker(opts: WorkerOptions) -> Worker:
             the store: ``hwr prewarm``).
     """
     if opts.mode not in MODES:
-        from hwr_client.errors import InvalidArgument
+        from hwr_client.core.errors import InvalidArgument
 
         raise InvalidArgument(f"worker mode {opts.mode!r}: expected one of {MODES}")
     contract = get_contract(opts.contract)
@@ -324,7 +324,7 @@ def _start_offloaded(opts: WorkerOptions, contract: Contract, phases: _Phases) -
 def _acquire(client: Any, identity: Any, opts: WorkerOptions, phases: _Phases) -> Any:
     """The transaction's lookup: a lease on LOCAL_HIT, None on a miss that
     may fall back; raises on FAILED (never silently a miss)."""
-    from hwr_client.errors import FailedPrecondition, NotFound
+    from hwr_client.core.errors import FailedPrecondition, NotFound
 
     if client is None:
         return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from hwr_client.errors import FailedPrecondition
+from hwr_client.core.errors import FailedPrecondition
 
 
 class LeaseCarrier:

@@ -3,7 +3,7 @@
 ``connect()`` opens the runtime channel; admin calls open the admin channel
 lazily. Each verb is implemented in the module of its concept
 (``publish``, ``lease``, ``resolve``, ``sources``); this class only holds the
-channels and converts failed calls into :mod:`hwr_client.errors` classes in
+channels and converts failed calls into :mod:`hwr_client.core.errors` classes in
 ONE place (:meth:`Client.call`).
 
 Example:
@@ -22,17 +22,12 @@ from typing import Any, Mapping, Sequence
 
 import grpc
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.errors import InvalidArgument, from_rpc_error
-from hwr_client.manifest import Manifest
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
+from hwr_client.core.defaults import MESSAGE_OPTIONS, default_paths
+from hwr_client.core.errors import InvalidArgument, from_rpc_error
+from hwr_client.core.manifest import Manifest
 
-#: gRPC message limit: a 4 MiB payload chunk plus framing, and large manifests.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
 
 def default_socket(*, admin: bool = False) -> str:
@@ -42,8 +37,6 @@ def default_socket(*, admin: bool = False) -> str:
     env = os.environ.get("HWR_ADMIN_SOCKET" if admin else "HWR_SOCKET")
     if env:
         return env
-    from hwr_server.config import default_paths
-
     _, sock, admin_sock = default_paths()
     return admin_sock if admin else sock
 
@@ -51,7 +44,7 @@ def default_socket(*, admin: bool = False) -> str:
 def open_channel(path: str) -> grpc.Channel:
     if not path:
         raise InvalidArgument("socket path: expected a non-empty path")
-    return grpc.insecure_channel(f"unix:{os.path.abspath(path)}", options=_CHANNEL_OPTIONS)
+    return grpc.insecure_channel(f"unix:{os.path.abspath(path)}", options=MESSAGE_OPTIONS)
 
 
 class Client:

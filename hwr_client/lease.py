@@ -32,10 +32,10 @@ from typing import Any, Callable, Iterable
 import torch
 import xxhash
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import FailedPrecondition, HwrError, InvalidArgument
-from hwr_client.identity import check_key
-from hwr_client.manifest import BlockEntry, Manifest
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument
+from hwr_client.core.identity import check_key
+from hwr_client.core.manifest import BlockEntry, Manifest
 from hwr_client.mapping import MappedArtifact, Region
 
 log = logging.getLogger(__name__)

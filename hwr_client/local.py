@@ -17,34 +17,11 @@ from typing import Mapping
 import torch
 import xxhash
 
-from hwr_client.manifest import BlockEntry, FileEntry, Manifest, TensorEntry, content_digest
-from hwr_client.plan import CheckedPlan, PlanSpec, check_plan, iter_payload, tensor_bytes
+from hwr_client.core.manifest import Manifest, build_manifest
+from hwr_client.core.plan import PlanSpec, check_plan
+from hwr_client.tensors import iter_payload, tensor_bytes
 
 CHUNK = 4 * 1024 * 1024
-
-
-def build_manifest(checked: CheckedPlan, file_digests, tensor_digests, block_xxh, *, created_unix=None) -> Manifest:
-    """Assembles the manifest from a checked plan and the computed digests.
-
-    Args:
-        file_digests: per file (sha256 hex, xxh3_128 hex).
-        tensor_digests: tensor name -> sha256 hex.
-        block_xxh: per block xxh3_128 hex.
-    """
-    plan = checked.plan
-    files = tuple(
-        FileEntry(i, f.name, file_digests[i][0], lay.file_size, file_digests[i][1], lay.data_start)
-        for i, (f, lay) in enumerate(zip(plan.files, checked.layouts))
-    )
-    tensors = tuple(
-        TensorEntry(spec.name, fi, spec.dtype, spec.shape, lay.data_start + off, spec.nbytes, tensor_digests[spec.name])
-        for fi, lay in enumerate(checked.layouts)
-        for spec, off in zip(lay.tensors, lay.tensor_offsets)
-    )
-    blocks = tuple(BlockEntry(b.index, b.prefix, b.file, b.begin, b.end, block_xxh[b.index], b.tensors) for b in checked.blocks)
-    digest = content_digest((t.name, t.dtype, t.shape, t.sha256) for t in tensors)
-    created = int(time.time()) if created_unix is None else created_unix
-    return Manifest(plan.identity.key, plan.identity, digest, created, files, tensors, blocks)
 
 
 def write_artifact(directory: str, plan: PlanSpec, tensors: Mapping[str, torch.Tensor]) -> tuple[Manifest, list[str]]:

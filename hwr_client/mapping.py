@@ -25,9 +25,10 @@ from typing import Sequence
 
 import torch
 
-from hwr_client.errors import FailedPrecondition
-from hwr_client.layout import DTYPES
-from hwr_client.manifest import BlockEntry, Manifest, TensorEntry
+from hwr_client.core.errors import FailedPrecondition
+from hwr_client.core.layout import DTYPE_SIZES
+from hwr_client.tensors import TORCH_DTYPES
+from hwr_client.core.manifest import BlockEntry, Manifest, TensorEntry
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -149,7 +150,7 @@ class MappedArtifact:
         """Tensor ``t``'s view as bytes sliced from its file, then viewed at
         its dtype and shape."""
         raw = self._bytes[t.file][t.offset : t.offset + t.nbytes]
-        return raw.view(DTYPES[t.dtype][0]).view(t.shape)
+        return raw.view(TORCH_DTYPES[t.dtype]).view(t.shape)
 
     def _view_plan(self, key: tuple, bases: dict) -> tuple:
         """How :meth:`tensors` views a tensor of ``key`` = (file, dtype,
@@ -158,7 +159,7 @@ class MappedArtifact:
         :data:`_NO_PLAN` where one of them is not a plain value of this
         artifact. ``bases`` caches the whole-file views by (file, dtype)."""
         file, dtype, shape = key
-        if type(file) is not int or not (0 <= file < len(self._bytes)) or type(dtype) is not str or dtype not in DTYPES:
+        if type(file) is not int or not (0 <= file < len(self._bytes)) or type(dtype) is not str or dtype not in DTYPE_SIZES:
             return _NO_PLAN
         if type(shape) is not tuple:
             return _NO_PLAN
@@ -171,7 +172,7 @@ class MappedArtifact:
             strides.append(step)
             step *= d or 1
         strides.reverse()
-        torch_dtype, itemsize = DTYPES[dtype]
+        torch_dtype, itemsize = TORCH_DTYPES[dtype], DTYPE_SIZES[dtype]
         whole = self._bytes[file]
         size = whole.numel()
         base = bases.get((file, dtype))

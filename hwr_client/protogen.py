@@ -4,7 +4,7 @@ Run ``python -m hwr_client.protogen`` from the repository root after editing
 the proto; ``tests/test_proto.py`` fails while the committed stubs are stale.
 The generated grpc module imports ``hwr_pb2`` as a top-level module; we
 rewrite that one line into a package-relative import so the stubs live inside
-``hwr_client._proto`` without touching ``sys.path``.
+``hwr_client.core._proto`` without touching ``sys.path``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PROTO_DIR = REPO / "proto" / "hwr" / "v1"
-OUT_DIR = REPO / "hwr_client" / "_proto"
+OUT_DIR = REPO / "hwr_client" / "core" / "_proto"
 GENERATED = ("hwr_pb2.py", "hwr_pb2.pyi", "hwr_pb2_grpc.py")
 
 

@@ -24,12 +24,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import grpc
 import torch
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import Internal, InvalidArgument, from_rpc_error
-from hwr_client.identity import Identity
-from hwr_client.layout import TensorSpec
-from hwr_client.manifest import Manifest
-from hwr_client.plan import FILE_TARGET_BYTES, CheckedPlan, build_plan, check_plan, iter_payload, to_proto
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import Internal, InvalidArgument, from_rpc_error
+from hwr_client.core.identity import Identity
+from hwr_client.core.layout import TensorSpec
+from hwr_client.core.manifest import Manifest
+from hwr_client.core.plan import FILE_TARGET_BYTES, CheckedPlan, check_plan, to_proto
+from hwr_client.tensors import build_plan, iter_payload, spec_of
 
 #: Target payload message size.
 MESSAGE_BYTES = 4 * 1024 * 1024
@@ -141,7 +142,7 @@ def _check_tensors(checked: CheckedPlan, tensors: Mapping[str, torch.Tensor]) ->
                 raise InvalidArgument(f"tensor {spec.name!r}: expected a torch.Tensor, got {type(t).__name__}")
             if t.device.type != "cpu":
                 raise InvalidArgument(f"tensor {spec.name!r} on {t.device}: publication takes CPU tensors")
-            if TensorSpec.of(spec.name, t) != spec:
+            if spec_of(spec.name, t) != spec:
                 raise InvalidArgument(f"tensor {spec.name!r}: changed while publishing")
 
 

@@ -28,8 +28,8 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from hwr_client.errors import FailedPrecondition, HwrError, InvalidArgument, NotFound, Unavailable
-from hwr_client.identity import Identity
+from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument, NotFound, Unavailable
+from hwr_client.core.identity import Identity
 
 log = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client._proto import hwr_pb2_grpc as pb_grpc
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
 from hwr_client.client import open_channel
-from hwr_client.errors import FailedPrecondition, HwrError, Unavailable, from_rpc_error
+from hwr_client.core.errors import FailedPrecondition, HwrError, Unavailable, from_rpc_error
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@ import logging
 import os
 import sys
 
-from hwr_client.errors import HwrError
-from hwr_server.config import ServerConfig, parse_size
+from hwr_client.core.errors import HwrError
+from hwr_client.core.defaults import parse_size
+from hwr_server.config import ServerConfig
 
 log = logging.getLogger(__name__)
 

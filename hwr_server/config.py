@@ -18,44 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import tomllib
 from typing import Any
 
-from hwr_client.errors import InvalidArgument
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from ``"100MiB"``, ``"2TiB"``, ``"1.5GB"``, ``"4096"`` or an int.
-
-    Raises:
-        InvalidArgument: anything else.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise InvalidArgument(f"size {text}: expected >= 0")
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise InvalidArgument(f"size {text!r}: expected a number with an optional unit like 100MiB or 2TiB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-
-
-def default_paths(uid: int | None = None, env: dict[str, str] | None = None) -> tuple[str, str, str]:
-    """(root, socket, admin socket) defaults: system paths for root, the
-    XDG data/runtime directories for a normal user."""
-    uid = os.getuid() if uid is None else uid
-    env = os.environ if env is None else env  # only called from CLI code
-    if uid == 0:
-        return "/var/lib/hwr", "/run/hwr/hwr.sock", "/run/hwr/admin.sock"
-    data = env.get("XDG_DATA_HOME") or os.path.join(env.get("HOME", f"/tmp/hwr-{uid}"), ".local", "share")
-    run = env.get("XDG_RUNTIME_DIR") or f"/tmp/hwr-{uid}-run"
-    return os.path.join(data, "hwr"), os.path.join(run, "hwr", "hwr.sock"), os.path.join(run, "hwr", "admin.sock")
-
+from hwr_client.core.defaults import default_paths, parse_size
+from hwr_client.core.errors import InvalidArgument
 
 @dataclasses.dataclass
 class ServerConfig:

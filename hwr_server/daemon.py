@@ -28,8 +28,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hwr_client.client import MAX_MESSAGE_BYTES
-from hwr_client.errors import FailedPrecondition, InvalidArgument
+from hwr_client.core.defaults import MESSAGE_OPTIONS
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_server import servicer
 from hwr_server.config import ServerConfig
 from hwr_server.hashing import tune_allocator
@@ -134,8 +134,7 @@ class Daemon:
         server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=self.config.grpc_threads,
                                                   thread_name_prefix="hwr-admin" if admin else "hwr-rpc"),
-            options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            options=[*MESSAGE_OPTIONS,
                      # One listener per path; never share a live path.
                      ("grpc.so_reuseport", 0)],
         )

@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Callable, Hashable, Iterable, Mapping
 
-from hwr_client.errors import FailedPrecondition, Internal, NotFound, ResourceExhausted
+from hwr_client.core.errors import FailedPrecondition, Internal, NotFound, ResourceExhausted
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-from hwr_client.manifest import Manifest
-from hwr_client.plan import CheckedPlan
+from hwr_client.core.manifest import Manifest
+from hwr_client.core.plan import CheckedPlan
 
 #: Chunks queued per hashing thread; bounds in-flight memory per publication
 #: to about (QUEUE_DEPTH + 2) x max_chunk_bytes.

@@ -35,8 +35,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from hwr_client.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
-from hwr_client.identity import check_key
+from hwr_client.core.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from hwr_client.core.identity import check_key
 from hwr_server import db
 
 log = logging.getLogger(__name__)

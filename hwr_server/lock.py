@@ -18,7 +18,7 @@ import fcntl
 import os
 import time
 
-from hwr_client.errors import FailedPrecondition
+from hwr_client.core.errors import FailedPrecondition
 
 
 class InstanceLock:

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.exposition import start_http_server
 
-from hwr_client.errors import InvalidArgument
+from hwr_client.core.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

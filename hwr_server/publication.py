@@ -36,8 +36,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import (
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import (
     Aborted,
     FailedPrecondition,
     HwrError,
@@ -46,9 +46,9 @@ from hwr_client.errors import (
     NotFound,
     ResourceExhausted,
 )
-from hwr_client.local import build_manifest
-from hwr_client.manifest import Manifest
-from hwr_client.plan import CheckedPlan, check_plan, from_proto
+from hwr_client.core.manifest import build_manifest
+from hwr_client.core.manifest import Manifest
+from hwr_client.core.plan import CheckedPlan, check_plan, from_proto
 from hwr_server.hashing import WholeHasher, _Stage, parts_from_plan, readback, set_native_thread_name
 
 log = logging.getLogger(__name__)

@@ -25,10 +25,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-from hwr_client.errors import HwrError
-from hwr_client.identity import is_key
-from hwr_client.layout import parse_header
-from hwr_client.manifest import Manifest
+from hwr_client.core.errors import HwrError
+from hwr_client.core.identity import is_key
+from hwr_client.core.layout import parse_header
+from hwr_client.core.manifest import Manifest
 from hwr_server.hashing import WholeHasher, parts_from_manifest, readback
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import Unavailable
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import Unavailable
 from hwr_server.gc import GcItem
 
 

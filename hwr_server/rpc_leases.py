@@ -1,6 +1,6 @@
 """Lease rpcs: Session, AcquireLease, ReleaseLease (runtime) and ListLeases
 (admin). Thin: parse, call :class:`hwr_server.leases.LeaseManager`, build the
-reply. Errors are raised as :mod:`hwr_client.errors` classes; the servicer
+reply. Errors are raised as :mod:`hwr_client.core.errors` classes; the servicer
 turns them into statuses.
 """
 
@@ -11,8 +11,8 @@ from typing import Any, Iterator
 
 import grpc
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import InvalidArgument, Unavailable
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import InvalidArgument, Unavailable
 from hwr_server.leases import LeaseInfo, LeaseManager
 
 log = logging.getLogger(__name__)

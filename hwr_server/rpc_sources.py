@@ -2,7 +2,7 @@
 ListSources and ForgetSource (admin).
 
 Each handler validates the request, calls :class:`hwr_server.sources.SourceCache`
-and builds the reply; errors are :mod:`hwr_client.errors` classes that the
+and builds the reply; errors are :mod:`hwr_client.core.errors` classes that the
 servicer translates in one place. Hashing blocks a gRPC worker thread (never
 an event loop): the handler waits on the cache's hashing pool.
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 import grpc
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import InvalidArgument, Unavailable
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import InvalidArgument, Unavailable
 
 
 def _cache(daemon: Any) -> Any:

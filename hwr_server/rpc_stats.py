@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.core._proto import hwr_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 ListArtifacts, InspectArtifact, VerifyArtifact, DeleteArtifact (admin).
 
 Each handler parses the request, calls the store or a publication, and builds
-the reply; errors are :mod:`hwr_client.errors` classes that the servicer
+the reply; errors are :mod:`hwr_client.core.errors` classes that the servicer
 translates to status codes.
 """
 
@@ -13,9 +13,9 @@ from typing import Any, Iterator
 
 import grpc
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from hwr_client.identity import check_key
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from hwr_client.core.identity import check_key
 from hwr_server.publication import Publication
 from hwr_server.store import summary_of
 

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from hwr_client.errors import DataLoss, FailedPrecondition, NotFound
+from hwr_client.core.errors import DataLoss, FailedPrecondition, NotFound
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Each rpc is one line that hands (daemon, request, context) to the handler
 module of its concept (``rpc_store``, ``rpc_leases``, ``rpc_sources``,
 ``rpc_gc``, ``rpc_stats``). Handlers parse and validate the request, call the
-component, and build the reply; they raise :mod:`hwr_client.errors` classes.
+component, and build the reply; they raise :mod:`hwr_client.core.errors` classes.
 This module converts those into gRPC statuses in ONE place
 (:func:`_translate`), so no handler ever touches status codes.
 
@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import grpc
 
-from hwr_client._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.errors import HwrError, PermissionDenied, Unavailable, status_code_of
+from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
+from hwr_client.core.errors import HwrError, PermissionDenied, Unavailable, status_code_of
 
 log = logging.getLogger(__name__)
 

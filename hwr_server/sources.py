@@ -11,7 +11,7 @@ canonical checkpoint file, from the first of:
    device, inode, size, mtime_ns, ctime_ns and resolved symlink target all
    equal the file's now, and whose own checksum verifies.
 3. **hashed**: otherwise the file is hashed with
-   :func:`hwr_client.sources.hash_file`'s primitives (one implementation for
+   :func:`hwr_client.core.digests.hash_file`'s primitives (one implementation for
    daemon and client), in parallel across files on a thread pool, ONCE per
    file however many callers ask at the same time (single flight), and the
    record is rewritten.
@@ -40,8 +40,8 @@ import threading
 import time
 from typing import Any, Sequence
 
-from hwr_client.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
-from hwr_client.sources import SourceDigest, content_id_of, hash_fd, open_regular, stat_source
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
+from hwr_client.core.digests import SourceDigest, content_id_of, hash_fd, open_regular, stat_source
 from hwr_server import db
 
 log = logging.getLogger(__name__)

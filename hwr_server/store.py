@@ -26,9 +26,9 @@ import time
 import uuid
 from typing import Callable
 
-from hwr_client.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from hwr_client.identity import check_key
-from hwr_client.manifest import Manifest
+from hwr_client.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from hwr_client.core.identity import check_key
+from hwr_client.core.manifest import Manifest
 from hwr_server.config import ServerConfig
 from hwr_server.recovery import RecoveryReport, recover, verify_artifact
 

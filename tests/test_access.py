@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import PermissionDenied
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import PermissionDenied
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching uid needs root")
 

@@ -30,7 +30,7 @@ def test_import_then_ls_inspect_verify_stats_rm(daemon, checkpoint):
     out = daemon.cli("import", "--identity", ident, *files, "--json")
     assert out.returncode == 0, out.stderr
     key = json.loads(out.stdout)["key"]
-    from hwr_client.identity import Identity
+    from hwr_client.core.identity import Identity
 
     assert key == Identity.from_dict(identity(t="cli")).key
     plain = daemon.cli("import", "--identity", ident, *files)

@@ -14,7 +14,7 @@ from torch import nn
 from dlo_runtime import contracts
 from dlo_runtime.contracts import GenericContract, check_no_meta, get_contract, parse_layout
 from dlo_runtime.models.tiny_dit import TinyDiTConfig, canonical_names, write_checkpoint
-from hwr_client.errors import FailedPrecondition, InvalidArgument
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 
 CFG = TinyDiTConfig(hidden=32, depth=2, heads=4, image=8, freq_dim=16)
 

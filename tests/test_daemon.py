@@ -13,8 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hwr_server.config import ServerConfig, default_paths, parse_size
-from hwr_client.errors import InvalidArgument
+from hwr_client.core.defaults import default_paths, parse_size
+from hwr_server.config import ServerConfig
+from hwr_client.core.errors import InvalidArgument
 from tests.daemon import make_daemon, wait_serving
 from tests.privdrop import nobody, popen_python_as
 

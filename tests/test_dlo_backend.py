@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hwr_client.carrier import LeaseCarrier
-from hwr_client.errors import FailedPrecondition, InvalidArgument
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from dlo_runtime import ORDINARY, STAGING, enable_layerwise_offload, restore
 from tests.test_dlo_common import TestLease, make_artifact, reference, skeleton
 

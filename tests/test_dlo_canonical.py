@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hwr_client.errors import FailedPrecondition
+from hwr_client.core.errors import FailedPrecondition
 from dlo_runtime import iter_checkpoint, load_canonical_into
 from tests.test_dlo_common import ToyModel, reference
 

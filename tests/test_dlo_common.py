@@ -18,7 +18,7 @@ from torch import nn
 
 from hwr_client.local import write_artifact
 from hwr_client.mapping import MappedArtifact
-from hwr_client.plan import build_plan
+from hwr_client.tensors import build_plan
 from dlo_runtime.cuda_host import HostCapability
 from tests.conftest import identity
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from hwr_client.errors import FailedPrecondition
+from hwr_client.core.errors import FailedPrecondition
 from hwr_client.local import write_artifact
 from hwr_client.mapping import MappedArtifact
-from hwr_client.plan import build_plan
+from hwr_client.tensors import build_plan
 from dlo_runtime import finalize_shared, plan_restore, restore
 from tests.conftest import identity
 from tests.test_dlo_common import ToyModel, make_artifact, reference, skeleton

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from dlo_runtime import (
     BackendOptions, ModelRecipe, Outcome, RegistrationAborted, Stage, StartupTransaction, retained,
 )

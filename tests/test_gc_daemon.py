@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from hwr_client.errors import ResourceExhausted
+from hwr_client.core.errors import ResourceExhausted
 from tests.conftest import identity
 
 MiB = 1 << 20
@@ -37,13 +37,13 @@ def publish(client, tag: str, mib: int = 40, *, seed: int | None = None, **kw):
 
 
 def stats(client) -> dict[str, float]:
-    from hwr_client._proto import hwr_pb2 as pb
+    from hwr_client.core._proto import hwr_pb2 as pb
 
     return json.loads(client.call(client.reader.GetStats, pb.GetStatsRequest()).stats_json)
 
 
 def keys(client) -> set[str]:
-    from hwr_client._proto import hwr_pb2 as pb
+    from hwr_client.core._proto import hwr_pb2 as pb
 
     reply = client.call(client.reader.ListArtifacts, pb.ListArtifactsRequest())
     return {a.key for a in reply.artifacts if a.state == "published"}
@@ -52,7 +52,7 @@ def keys(client) -> set[str]:
 def wait_ready(c, timeout: float = 60.0) -> None:
     """Retries until rpcs are served (health may say SERVING a moment before
     the daemon is ready; reported to the daemon's owner)."""
-    from hwr_client.errors import Unavailable
+    from hwr_client.core.errors import Unavailable
 
     deadline = time.monotonic() + timeout
     while True:
@@ -78,7 +78,7 @@ def gc_json(d, *args: str) -> dict:
 
 def collect(c, target: int, *, dry_run: bool = False) -> dict:
     """CollectGarbage on the admin socket, in-process (fast)."""
-    from hwr_client._proto import hwr_pb2 as pb
+    from hwr_client.core._proto import hwr_pb2 as pb
 
     r = c.call(c.admin.CollectGarbage, pb.CollectGarbageRequest(dry_run=dry_run, target_bytes=target), timeout=300)
     return {"items": [{"kind": i.kind, "name": i.name, "bytes": i.bytes, "reason": i.reason} for i in r.items],
@@ -242,7 +242,7 @@ def test_restart_during_gc(make_daemon_fixture, tmp_path):
         wait_ready(c)
         survivors = keys(c)
         assert survivors <= {r.key for r in reports}
-        from hwr_client._proto import hwr_pb2 as pb
+        from hwr_client.core._proto import hwr_pb2 as pb
 
         verified = c.call(c.admin.VerifyArtifact, pb.VerifyArtifactRequest(all=True), timeout=300)
         assert {r.key for r in verified.results} == survivors and all(r.ok for r in verified.results)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from hwr_client.errors import NotFound
+from hwr_client.core.errors import NotFound
 from hwr_server.gc import ArtifactRecord, DirRecord, GcItem, Snapshot, execute, plan, reachable
 
 MiB = 1 << 20

@@ -20,8 +20,8 @@ import time
 import pytest
 import torch
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted
 from tests.conftest import identity
 
 MiB = 1 << 20

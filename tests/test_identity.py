@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from hwr_client.errors import InvalidArgument
-from hwr_client.identity import Identity, canonical_json
+from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.identity import Identity, canonical_json
 from tests.conftest import SAMPLE_IDENTITY
 
 DOC = ('{"contract": {"name": "tiny-dit", "version": 1}, "sources": [{"name": "model.safetensors", '

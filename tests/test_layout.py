@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hwr_client.errors import InvalidArgument
-from hwr_client.layout import ALIGN, MAX_HEADER_BYTES, TensorSpec, layout_file, parse_header
+from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.layout import ALIGN, MAX_HEADER_BYTES, TensorSpec, layout_file, parse_header
 from hwr_client.local import write_artifact
-from hwr_client.plan import BlockSpec, build_plan, check_plan, derive_blocks
+from hwr_client.core.plan import BlockSpec, check_plan, derive_blocks
+from hwr_client.tensors import build_plan
 from tests.conftest import identity, sample_tensors
 
 

@@ -13,11 +13,11 @@ import textwrap
 import pytest
 import torch
 
-from hwr_client.errors import FailedPrecondition, InvalidArgument
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_client.lease import Lease, local_lease, verify_mapped
 from hwr_client.local import write_artifact
 from hwr_client.mapping import MappedArtifact
-from hwr_client.plan import build_plan
+from hwr_client.tensors import build_plan
 from tests.conftest import identity, sample_tensors
 
 
@@ -113,7 +113,7 @@ def test_write_through_a_view_faults_and_leaves_file_unchanged(artifact):
     before = [open(p, "rb").read() for p in paths]
     code = textwrap.dedent(f"""
         import json, sys
-        from hwr_client.manifest import Manifest
+        from hwr_client.core.manifest import Manifest
         from hwr_client.lease import local_lease
         m = Manifest.from_json(open({os.path.join(os.path.dirname(paths[0]), 'manifest.json')!r}).read())
         lease = local_lease(m, {list(paths)!r})

@@ -12,7 +12,13 @@ import threading
 
 import pytest
 
-from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from hwr_client.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from hwr_server.config import ServerConfig
 from hwr_server.leases import ATTACHED, AWAITING, LeaseManager
 
@@ -23,7 +29,7 @@ KEY_Q = "c" * 64
 
 @dataclasses.dataclass
 class _FakeManifest:
-    """Stands in for hwr_client.manifest.Manifest at the store seam."""
+    """Stands in for hwr_client.core.manifest.Manifest at the store seam."""
 
     key: str
     to_json_calls: int = 0

@@ -19,8 +19,8 @@ import time
 import pytest
 import torch
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.session import get_session
 from tests.conftest import identity, sample_tensors
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from hwr_client.errors import InvalidArgument
-from hwr_client.identity import canonical_json
+from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.identity import canonical_json
 from hwr_client.local import write_artifact
-from hwr_client.manifest import Manifest, content_digest
-from hwr_client.plan import build_plan
+from hwr_client.core.manifest import Manifest, content_digest
+from hwr_client.tensors import build_plan
 from tests.conftest import identity, sample_tensors
 
 

@@ -22,12 +22,13 @@ import pickle
 import pytest
 import torch
 
-from hwr_client.errors import InvalidArgument
-from hwr_client.layout import DTYPES
+from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.layout import DTYPE_SIZES
+from hwr_client.tensors import TORCH_DTYPES
 from hwr_client.local import write_artifact
-from hwr_client.manifest import BlockEntry, FileEntry, Manifest, TensorEntry, content_digest
+from hwr_client.core.manifest import BlockEntry, FileEntry, Manifest, TensorEntry, content_digest
 from hwr_client.mapping import MappedArtifact
-from hwr_client.plan import build_plan
+from hwr_client.tensors import build_plan
 from tests.conftest import identity
 
 SHAPES = [(), (0,), (3,), (2, 3), (1, 5), (5, 1), (2, 0, 3), (0, 4), (3, 0), (2, 3, 1, 4), (1, 1), (1, 2, 2, 3)]
@@ -47,7 +48,7 @@ def all_dtype_tensors() -> dict[str, torch.Tensor]:
     out["embed.ü weight"] = make(torch.float32, 4, (3, 5))
     out["__embed.😀" * 3] = make(torch.bfloat16, 2, (7,))
     out["x" * 200] = make(torch.uint8, 1, (3,))
-    for b, (name, (dtype, itemsize)) in enumerate(DTYPES.items()):
+    for b, (name, dtype, itemsize) in enumerate((n, TORCH_DTYPES[n], s) for n, s in DTYPE_SIZES.items()):
         for i, shape in enumerate(SHAPES):
             out[f"blocks.{b}.{name.lower()}_{i}"] = make(dtype, itemsize, shape)
     out["final.empty"] = make(torch.float64, 8, (0, 2))
@@ -283,7 +284,7 @@ def slice_views(mapped: MappedArtifact) -> dict[str, torch.Tensor]:
     out = {}
     for t in mapped.manifest.tensors:
         raw = mapped.file_bytes(t.file)[t.offset : t.offset + t.nbytes]
-        out[t.name] = raw.view(DTYPES[t.dtype][0]).view(t.shape)
+        out[t.name] = raw.view(TORCH_DTYPES[t.dtype]).view(t.shape)
     return out
 
 
@@ -296,7 +297,7 @@ def geometry(v: torch.Tensor) -> tuple:
 
 def test_views_are_the_slice_views_for_every_dtype_and_shape(artifact):
     manifest, paths = artifact
-    assert {t.dtype for t in manifest.tensors} == set(DTYPES)
+    assert {t.dtype for t in manifest.tensors} == set(DTYPE_SIZES)
     assert {t.shape for t in manifest.tensors} >= set(SHAPES)
     # A zero-size tensor that ends its file.
     assert any(t.nbytes == 0 and t.offset == manifest.files[t.file].size for t in manifest.tensors)

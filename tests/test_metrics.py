@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hwr_client.errors import InvalidArgument
+from hwr_client.core.errors import InvalidArgument
 from hwr_server.config import ServerConfig
 from hwr_server.metrics import Metrics, check_loopback, families, parse_key
 

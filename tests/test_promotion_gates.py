@@ -21,7 +21,7 @@ from dlo_runtime.contracts import check_no_meta, get_contract
 from dlo_runtime.models.tiny_dit import TinyDiTConfig, sample_inputs, write_checkpoint
 from dlo_runtime.restore import compare_snapshots, plan_restore, snapshot
 from dlo_runtime.worker import WorkerOptions, start_worker
-from hwr_client.errors import FailedPrecondition
+from hwr_client.core.errors import FailedPrecondition
 
 CFG = TinyDiTConfig(hidden=32, depth=3, heads=4, image=8, freq_dim=16)
 

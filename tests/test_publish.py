@@ -10,10 +10,11 @@ import grpc
 import pytest
 import torch
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import Aborted, DataLoss, FailedPrecondition, NotFound
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import Aborted, DataLoss, FailedPrecondition, NotFound
 from hwr_client.local import write_artifact
-from hwr_client.plan import build_plan, check_plan, to_proto
+from hwr_client.core.plan import check_plan, to_proto
+from hwr_client.tensors import build_plan
 from tests.conftest import identity, sample_tensors
 
 
@@ -70,7 +71,7 @@ def test_messages_are_full_and_cover_each_data_region_in_order(message_bytes):
     """Every message but a file's last is exactly ``message_bytes`` (one
     buffer size for the allocator to reuse), and the messages of a file,
     joined, are its data region byte for byte."""
-    from hwr_client.plan import iter_payload
+    from hwr_client.tensors import iter_payload
     from hwr_client.publish import iter_pieces
 
     tensors = {f"blocks.{i}.w": torch.randn(300 + 97 * i, 33) for i in range(6)}  # odd sizes: pads and splits

@@ -16,9 +16,10 @@ import grpc
 import pytest
 import torch
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from hwr_client.plan import build_plan, check_plan, iter_payload, to_proto
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from hwr_client.core.plan import check_plan, to_proto
+from hwr_client.tensors import build_plan, iter_payload
 from tests.conftest import identity, sample_tensors
 
 StatusCode = grpc.StatusCode
@@ -301,7 +302,7 @@ def test_client_killed_mid_stream_leaves_no_staging(daemon):
 
 
 def identity_key(tag: str) -> str:
-    from hwr_client.identity import Identity
+    from hwr_client.core.identity import Identity
 
     return Identity.from_dict(identity(t=tag)).key
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hwr_client
-from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from hwr_client.resolve import Mode, Outcome, parse_mode, publish_after_load, resolve
 from tests.conftest import identity, sample_tensors
 

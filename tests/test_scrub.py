@@ -9,7 +9,7 @@ import os
 import threading
 import time
 
-from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_server.config import ServerConfig
 from hwr_server.scrub import Scrubber
 from tests.test_gc_daemon import collect, keys, publish, stats

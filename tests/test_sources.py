@@ -15,8 +15,14 @@ import threading
 
 import pytest
 
-from hwr_client.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
-from hwr_client.sources import hash_file
+from hwr_client.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+from hwr_client.core.digests import hash_file
 from hwr_server import db
 from hwr_server import sources as srcmod
 from hwr_server.config import ServerConfig

@@ -12,10 +12,10 @@ import time
 import pytest
 
 import hwr_client
-from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.cli import main as cli_main
-from hwr_client.errors import InvalidArgument, NotFound, PermissionDenied
-from hwr_client.identity import Identity
+from hwr_client.core.errors import InvalidArgument, NotFound, PermissionDenied
+from hwr_client.core.identity import Identity
 from hwr_client.sources import build_identity, resolve_sources
 from hwr_server.sources import RACY_WINDOW_NS
 

@@ -11,11 +11,12 @@ import random
 
 import pytest
 
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.local import write_artifact
-from hwr_client.manifest import Manifest
-from hwr_client.plan import build_plan, check_plan, iter_payload, to_proto
+from hwr_client.core.manifest import Manifest
+from hwr_client.core.plan import check_plan, to_proto
+from hwr_client.tensors import build_plan, iter_payload
 from hwr_server import publication as publication_mod
 from hwr_server.config import ServerConfig
 from hwr_server.publication import Coverage, Publication

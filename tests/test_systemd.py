@@ -163,7 +163,7 @@ def test_daemon_notifies_ready_after_recovery_and_stopping_on_sigterm(make_daemo
     import json
     import signal
 
-    from hwr_client._proto import hwr_pb2 as pb
+    from hwr_client.core._proto import hwr_pb2 as pb
 
     sock, path = notify_socket
     root = tmp_path / "root"

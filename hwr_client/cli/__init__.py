@@ -14,7 +14,7 @@ import importlib
 import logging
 import sys
 
-from hwr_client.errors import HwrError
+from hwr_client.core.errors import HwrError
 
 #: Modules providing ``register(subparsers)``, in help order.
 COMMAND_MODULES = (

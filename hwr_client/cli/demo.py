@@ -36,31 +36,8 @@ import time
 from typing import Any, Callable, Iterator
 
 from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
-from hwr_client.errors import InvalidArgument, NotFound
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
-          "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3}
-
-
-def parse_size(text: str) -> int:
-    """``64MiB``, ``1GiB``, ``512m``, ``1048576`` -> bytes.
-
-    Raises:
-        InvalidArgument: not a size.
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise InvalidArgument(f"size {text!r}: expected a number with an optional unit (KiB, MiB, GiB), e.g. 64MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
+from hwr_client.core.defaults import human, parse_size
+from hwr_client.core.errors import InvalidArgument, NotFound
 
 def register(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="run the end-to-end demo: cold start, publish, warm starts, parity",

@@ -5,17 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
-from hwr_server.config import parse_size
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+from hwr_client.core.defaults import human, parse_size
 
 
 def _rows(items: list[dict]) -> list[list[str]]:
@@ -23,14 +15,14 @@ def _rows(items: list[dict]) -> list[list[str]]:
     blob rows that follow it, which are what its removal frees."""
     rows = []
     for n, i in enumerate(items):
-        size = _human(i["bytes"])
+        size = human(i["bytes"])
         if i["kind"] == "artifact":
             freed = 0
             for j in items[n + 1:]:
                 if j["kind"] != "blob":
                     break
                 freed += j["bytes"]
-            size = f"({_human(freed)})"
+            size = f"({human(freed)})"
         name = i["name"][:16] if i["kind"] in ("artifact", "blob") else i["name"]
         rows.append([i["kind"] if i["kind"] != "blob" else "  blob", name, size, i["reason"]])
     return rows
@@ -51,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if items:
         print_table(_rows(items), ["KIND", "NAME", "BYTES", "REASON"])
     verb = "would free" if not reply.executed else "freed"
-    print(f"{verb} {_human(reply.bytes_freed)} in {len(items)} items; usage "
-          f"{_human(reply.usage_before)} -> {_human(reply.usage_after)}")
+    print(f"{verb} {human(reply.bytes_freed)} in {len(items)} items; usage "
+          f"{human(reply.usage_before)} -> {human(reply.usage_after)}")
     if reply.deferred_reason:
         print(f"not collected now: {reply.deferred_reason}")
     return 0

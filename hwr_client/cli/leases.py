@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
 
 

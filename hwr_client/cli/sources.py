@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import datetime
 
-from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
-from hwr_client.sources import absolute_path, resolve_sources
+from hwr_client.core.digests import absolute_path
+from hwr_client.sources import resolve_sources
 
 
 def register(sub: argparse._SubParsersAction) -> None:

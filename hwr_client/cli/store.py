@@ -8,50 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import time
 from typing import Any
 
-import torch
-
-from hwr_client._proto import hwr_pb2 as pb
+from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
-from hwr_client.errors import DataLoss, InvalidArgument
-from hwr_client.identity import Identity
-from hwr_client.layout import DTYPES, parse_header
-
-
-def read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """Maps a safetensors file read-only and returns zero-copy tensors.
-
-    The header is parsed strictly first (:func:`hwr_client.layout.parse_header`),
-    so a truncated file, a garbage header or a header length over the limit
-    is a clear error naming the file, before anything is allocated.
-
-    Raises:
-        InvalidArgument: naming ``path`` and the problem.
-    """
-    try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise InvalidArgument(f"{path}: cannot open ({exc.strerror})") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        header = parse_header(f, size, what=path)
-        if size == 0 or size == header.data_start:
-            mm = None
-        else:
-            mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    out: dict[str, torch.Tensor] = {}
-    for e in header.tensors():
-        dtype = DTYPES[e.dtype][0]
-        if e.end == e.begin or mm is None:
-            out[e.name] = torch.empty(e.shape, dtype=dtype)
-            continue
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=e.end - e.begin, offset=header.data_start + e.begin)
-        out[e.name] = raw.view(dtype).reshape(e.shape)
-    return out
+from hwr_client.core.errors import DataLoss, InvalidArgument
+from hwr_client.core.identity import Identity
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -60,7 +24,10 @@ def _import(args: argparse.Namespace) -> int:
             identity = Identity.from_json(f.read())
     except OSError as exc:
         raise InvalidArgument(f"{args.identity}: cannot read the identity ({exc.strerror})") from None
-    tensors: dict[str, torch.Tensor] = {}
+    # torch only for this command: the CLI module stays light for `hwr serve`.
+    from hwr_client.tensors import read_safetensors
+
+    tensors = {}
     origin: dict[str, str] = {}
     import warnings
 

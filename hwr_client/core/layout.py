@@ -22,9 +22,7 @@ import math
 import struct
 from typing import BinaryIO, Sequence
 
-import torch
-
-from hwr_client.errors import InvalidArgument
+from hwr_client.core.errors import InvalidArgument
 
 #: Byte alignment of the data region start and of every tensor in it.
 ALIGN = 64
@@ -34,49 +32,24 @@ MAX_HEADER_BYTES = 100 * 1000 * 1000
 #: Reserved name prefix for padding tensors.
 PAD_PREFIX = "__hwr_pad."
 
-#: safetensors dtype string -> (torch dtype, bytes per element)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "BOOL": (torch.bool, 1),
-    "U8": (torch.uint8, 1),
-    "I8": (torch.int8, 1),
-    "U16": (torch.uint16, 2),
-    "I16": (torch.int16, 2),
-    "U32": (torch.uint32, 4),
-    "I32": (torch.int32, 4),
-    "U64": (torch.uint64, 8),
-    "I64": (torch.int64, 8),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "F32": (torch.float32, 4),
-    "F64": (torch.float64, 8),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
+#: safetensors dtype string -> bytes per element. The torch side of the
+#: mapping lives in :mod:`hwr_client.tensors`; this module stays torch-free so
+#: the daemon can import it.
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8,
+    "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
 }
-_BY_TORCH = {v[0]: k for k, v in DTYPES.items()}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """safetensors dtype string of a torch dtype.
-
-    Raises:
-        InvalidArgument: a dtype safetensors cannot store.
-    """
-    try:
-        return _BY_TORCH[dtype]
-    except KeyError:
-        raise InvalidArgument(f"dtype {dtype}: not storable; expected one of {sorted(map(str, _BY_TORCH))}") from None
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """torch dtype of a safetensors dtype string.
+def check_dtype(name: str) -> str:
+    """Returns ``name`` if it is a known safetensors dtype string.
 
     Raises:
         InvalidArgument: an unknown dtype string.
     """
-    try:
-        return DTYPES[name][0]
-    except KeyError:
-        raise InvalidArgument(f"dtype {name!r}: unknown; expected one of {sorted(DTYPES)}") from None
+    if name not in DTYPE_SIZES:
+        raise InvalidArgument(f"dtype {name!r}: unknown; expected one of {sorted(DTYPE_SIZES)}")
+    return name
 
 
 def check_tensor_name(name: object) -> str:
@@ -111,19 +84,15 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype][1]
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
     def validate(self) -> "TensorSpec":
         check_tensor_name(self.name)
-        torch_dtype(self.dtype)
+        check_dtype(self.dtype)
         for dim in self.shape:
             if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
                 raise InvalidArgument(f"tensor {self.name!r}: shape {list(self.shape)} must hold integers >= 0")
         return self
-
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":
-        return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,13 +215,13 @@ def parse_header(f: BinaryIO, file_size: int, *, what: str = "file") -> ParsedHe
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise InvalidArgument(f"{what}: tensor {name!r} needs dtype, shape and data_offsets [begin, end]") from None
-        if dtype not in DTYPES:
+        if dtype not in DTYPE_SIZES:
             raise InvalidArgument(f"{what}: tensor {name!r} has unknown dtype {dtype!r}")
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise InvalidArgument(f"{what}: tensor {name!r} has a bad shape {list(shape)}")
         if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
             raise InvalidArgument(f"{what}: tensor {name!r} has bad data_offsets {[begin, end]}")
-        expected = math.prod(shape) * DTYPES[dtype][1]
+        expected = math.prod(shape) * DTYPE_SIZES[dtype]
         if end - begin != expected:
             raise InvalidArgument(
                 f"{what}: tensor {name!r} spans {end - begin} bytes, expected {expected} for {dtype} {list(shape)}"

@@ -1,24 +1,23 @@
 """Publication plans: which tensors go into which payload file, in what order,
 and which tensors form each streamable block.
 
-The client builds a plan (:func:`build_plan`), the daemon receives it over
-the wire (:func:`from_proto`) and both check it with ONE function
-(:func:`check_plan`), which also computes the aligned file layouts and the
-block byte ranges that end up in the manifest.
+The client builds a plan from tensors (:func:`hwr_client.tensors.build_plan`,
+the torch half), the daemon receives it over the wire (:func:`from_proto`)
+and both check it with ONE function (:func:`check_plan`), which also computes
+the aligned file layouts and the block byte ranges that end up in the
+manifest. This module is torch-free: the daemon imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterator, Mapping, Sequence
+from typing import Sequence
 
-import torch
-
-from hwr_client._proto import hwr_pb2 as pb
-from hwr_client.errors import InvalidArgument
-from hwr_client.identity import Identity
-from hwr_client.layout import FileLayout, TensorSpec, layout_file
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.identity import Identity
+from hwr_client.core.layout import FileLayout, TensorSpec, layout_file
 
 #: Default size at which block files are split: blocks are packed into files
 #: of about this size (a block is never split across files).
@@ -85,68 +84,6 @@ def derive_blocks(names: Sequence[str]) -> list[tuple[str, list[str]]]:
         if m:
             stacks.setdefault(m.group(1), {}).setdefault(int(m.group(2)), []).append(name)
     return [(f"{stack}{n}.", group[n]) for stack, group in stacks.items() for n in sorted(group)]
-
-
-def build_plan(
-    identity: Identity | Mapping | str,
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    blocks: Sequence[Sequence[str]] | None = None,
-    ordered: bool = True,
-    file_target_bytes: int = FILE_TARGET_BYTES,
-) -> PlanSpec:
-    """Arranges tensors into payload files.
-
-    Non-block tensors go into the first file; blocks follow in execution
-    order, packed into files of about ``file_target_bytes``.
-
-    Args:
-        identity: Identity, its dict document or its JSON text.
-        tensors: name -> CPU tensor.
-        blocks: name groups in execution order; None derives them from names.
-        ordered: whether the payload will be sent strictly sequentially.
-        file_target_bytes: split block files at about this size.
-
-    Raises:
-        InvalidArgument: empty mapping, unknown names in blocks, bad names.
-    """
-    identity = Identity.coerce(identity)
-    if not tensors:
-        raise InvalidArgument("publication: expected at least one tensor, got none")
-    groups = (
-        [(_common_prefix(g), list(g)) for g in blocks] if blocks is not None else derive_blocks(list(tensors))
-    )
-    in_block = {n for _, g in groups for n in g}
-    unknown = in_block - set(tensors)
-    if unknown:
-        raise InvalidArgument(f"publication: block tensors {sorted(unknown)[:5]} are not in the tensor mapping")
-    spec = {name: TensorSpec.of(name, t) for name, t in tensors.items()}
-    files: list[FileSpec] = []
-    base = [spec[n] for n in tensors if n not in in_block]
-    if base:
-        files.append(FileSpec("base.safetensors", tuple(base)))
-    current: list[TensorSpec] = []
-    for _, group in groups:
-        size = sum(spec[n].nbytes for n in group)
-        if current and sum(s.nbytes for s in current) + size > file_target_bytes:
-            files.append(FileSpec(f"blocks-{len(files):03d}.safetensors", tuple(current)))
-            current = []
-        current.extend(spec[n] for n in group)
-    if current:
-        files.append(FileSpec(f"blocks-{len(files):03d}.safetensors", tuple(current)))
-    block_specs = tuple(BlockSpec(i, prefix, tuple(g)) for i, (prefix, g) in enumerate(groups))
-    return PlanSpec(identity, tuple(files), block_specs, ordered)
-
-
-def _common_prefix(names: Sequence[str]) -> str:
-    if not names:
-        raise InvalidArgument("publication: a block must name at least one tensor")
-    first, last = min(names), max(names)
-    i = 0
-    while i < min(len(first), len(last)) and first[i] == last[i]:
-        i += 1
-    prefix = first[:i]
-    return prefix[: prefix.rfind(".") + 1] if "." in prefix else prefix
 
 
 def check_plan(plan: PlanSpec) -> CheckedPlan:
@@ -230,36 +167,3 @@ def from_proto(msg: pb.PublishPlan) -> PlanSpec:
     )
     blocks = tuple(BlockSpec(b.index, b.prefix, tuple(b.tensors)) for b in msg.blocks)
     return PlanSpec(identity, files, blocks, msg.ordered, msg.declared_content_digest)
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a CPU tensor (contiguous copy only when needed)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        raise InvalidArgument(f"tensor on {t.device}: publication takes CPU tensors")
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def iter_payload(
-    layout: FileLayout, tensors: Mapping[str, torch.Tensor], chunk_bytes: int
-) -> Iterator[tuple[int, memoryview]]:
-    """Yields (data-region offset, bytes) chunks of one file's data region in
-    order, padding included, each at most ``chunk_bytes``.
-
-    Raises:
-        InvalidArgument: a tensor whose dtype/shape differ from the layout.
-    """
-    zeros = memoryview(bytes(64))
-    pos = 0
-    for spec, off in zip(layout.tensors, layout.tensor_offsets):
-        t = tensors[spec.name]
-        if TensorSpec.of(spec.name, t) != spec:
-            raise InvalidArgument(f"tensor {spec.name!r}: is {t.dtype} {list(t.shape)}, planned {spec.dtype} {list(spec.shape)}")
-        if off > pos:
-            yield pos, zeros[: off - pos]
-        data = tensor_bytes(t)
-        for i in range(0, len(data), chunk_bytes):
-            yield off + i, data[i : i + chunk_bytes]
-        pos = off + len(data)
-    if layout.data_size > pos:
-        yield pos, zeros[: layout.data_size - pos]

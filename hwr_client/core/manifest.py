@@ -16,11 +16,15 @@ import hashlib
 import json
 import operator
 import re
-from typing import Any, Iterable
+import time
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
-from hwr_client.errors import InvalidArgument
-from hwr_client.identity import Identity
-from hwr_client.layout import DTYPES, check_tensor_name
+from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.identity import Identity
+from hwr_client.core.layout import DTYPE_SIZES, check_tensor_name
+
+if TYPE_CHECKING:
+    from hwr_client.core.plan import CheckedPlan
 
 FORMAT = "hwr-manifest"
 FORMAT_VERSION = 1
@@ -28,7 +32,7 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
 # For Manifest._from_doc_fast.
-_ITEMSIZES = {name: itemsize for name, (_, itemsize) in DTYPES.items()}
+_ITEMSIZES = DTYPE_SIZES
 _TENSOR_FIELDS = operator.itemgetter("name", "file", "dtype", "shape", "offset", "nbytes", "sha256")
 _BLOCK_FIELDS = operator.itemgetter("index", "prefix", "file", "begin", "end", "xxh3_128", "tensors")
 _HEX_DIGITS = b"0123456789abcdef"
@@ -298,11 +302,11 @@ class Manifest:
             if t.name in seen:
                 raise InvalidArgument(f"{what}: duplicate tensor {t.name!r}")
             seen.add(t.name)
-            if t.dtype not in DTYPES or not (0 <= t.file < len(files)) or not _HEX64.match(t.sha256):
+            if t.dtype not in DTYPE_SIZES or not (0 <= t.file < len(files)) or not _HEX64.match(t.sha256):
                 raise InvalidArgument(f"{what}: tensor {t.name!r} entry is malformed")
             if not all(type(d) is int and d >= 0 for d in t.shape):
                 raise InvalidArgument(f"{what}: tensor {t.name!r} shape {list(t.shape)} must hold integers >= 0")
-            size = DTYPES[t.dtype][1]
+            size = DTYPE_SIZES[t.dtype]
             for d in t.shape:
                 size *= d
             f = files[t.file]
@@ -324,3 +328,35 @@ class Manifest:
         if isinstance(created, bool) or not isinstance(created, int):
             raise InvalidArgument(f"{what}: created_unix must be an integer")
         return cls(doc["key"], identity, digest, created, files, tensors, blocks)
+
+
+def build_manifest(
+    checked: CheckedPlan,
+    file_digests: Sequence[tuple[str, str]],
+    tensor_digests: Mapping[str, str],
+    block_xxh: Sequence[str],
+    *,
+    created_unix: int | None = None,
+) -> Manifest:
+    """Assembles the manifest from a checked plan and the computed digests:
+    the one builder the daemon's publication and the reference writer share.
+
+    Args:
+        file_digests: per file (sha256 hex, xxh3_128 hex).
+        tensor_digests: tensor name -> sha256 hex.
+        block_xxh: per block xxh3_128 hex.
+    """
+    plan = checked.plan
+    files = tuple(
+        FileEntry(i, f.name, file_digests[i][0], lay.file_size, file_digests[i][1], lay.data_start)
+        for i, (f, lay) in enumerate(zip(plan.files, checked.layouts))
+    )
+    tensors = tuple(
+        TensorEntry(spec.name, fi, spec.dtype, spec.shape, lay.data_start + off, spec.nbytes, tensor_digests[spec.name])
+        for fi, lay in enumerate(checked.layouts)
+        for spec, off in zip(lay.tensors, lay.tensor_offsets)
+    )
+    blocks = tuple(BlockEntry(b.index, b.prefix, b.file, b.begin, b.end, block_xxh[b.index], b.tensors) for b in checked.blocks)
+    digest = content_digest((t.name, t.dtype, t.shape, t.sha256) for t in tensors)
+    created = int(time.time()) if created_unix is None else created_unix
+    return Manifest(plan.identity.key, plan.identity, digest, created, files, tensors, blocks)

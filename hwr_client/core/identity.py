@@ -29,7 +29,7 @@ import json
 import re
 from typing import Any, Mapping
 
-from hwr_client.errors import InvalidArgument
+from hwr_client.core.errors import InvalidArgument
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CONTENT_ID = re.compile(r"^sha256:[0-9a-f]{64}$")

@@ -1,0 +1,201 @@
+"""Content ids of canonical files: the ONE hashing function the daemon and
+the client share, and the checks that a source path is a regular file.
+
+Torch-free (the daemon imports it). A content id is ``sha256:<hex>`` of the
+file bytes, whichever side computed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import stat
+from typing import Any
+
+from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument, NotFound, PermissionDenied
+
+#: Bytes per read while hashing. Large reads keep the kernel's readahead busy
+#: and make the per-call GIL hand-off negligible (hashlib releases the GIL
+#: while it digests a buffer).
+READ_CHUNK = 8 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceDigest:
+    """The content id of one canonical file.
+
+    ``origin``: "cache" (daemon record), "hub" (trusted Hugging Face blob
+    name), "hashed" (hashed by the daemon now) or "local" (hashed by this
+    process). ``cached`` is true when no bytes were hashed for this answer.
+    """
+
+    path: str
+    content_id: str
+    size: int
+    cached: bool
+    origin: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def os_error(path: str, exc: OSError) -> HwrError:
+    """The HWR error for an OS error on a source path, naming the path."""
+    if isinstance(exc, FileNotFoundError):
+        return NotFound(f"source {path}: no such file; expected an existing regular file")
+    if isinstance(exc, PermissionError):
+        return PermissionDenied(
+            f"source {path}: permission denied for uid {os.geteuid()}; expected a readable regular file"
+        )
+    if isinstance(exc, IsADirectoryError):
+        return InvalidArgument(f"source {path}: is a directory; expected a regular file")
+    return FailedPrecondition(f"source {path}: cannot read ({exc.strerror or exc})")
+
+
+def check_regular(path: str, st: os.stat_result) -> None:
+    """Raises unless ``st`` (of ``path``) is a regular file.
+
+    Raises:
+        InvalidArgument: a directory, FIFO, socket or device.
+    """
+    if stat.S_ISREG(st.st_mode):
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(
+            f"source {path}: is a directory; expected a regular file (list its files, or pass the "
+            "directory to build_identity)"
+        )
+    kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device or special file"
+    raise InvalidArgument(f"source {path}: is a {kind}; expected a regular file")
+
+
+def stat_source(path: str) -> os.stat_result:
+    """``os.stat`` (following links) of a source path that must be a regular
+    file; a broken symlink is reported as such.
+
+    Raises:
+        NotFound, PermissionDenied, InvalidArgument, FailedPrecondition.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise NotFound(f"source {path}: broken symlink to {os.readlink(path)!r}; expected a regular file") from None
+        raise NotFound(f"source {path}: no such file; expected an existing regular file") from None
+    except OSError as exc:
+        raise os_error(path, exc) from None
+    check_regular(path, st)
+    return st
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """Opens a regular file for reading without ever blocking on a FIFO.
+
+    The type is checked on ``stat`` BEFORE opening, and the open uses
+    O_NONBLOCK so that a FIFO swapped in between cannot block us either (its
+    open returns at once and the ``fstat`` check refuses it).
+
+    Returns:
+        (fd, fstat of the opened file). The caller closes the fd.
+
+    Raises:
+        NotFound, PermissionDenied, InvalidArgument, FailedPrecondition.
+    """
+    stat_source(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise os_error(path, exc) from None
+    try:
+        st = os.fstat(fd)
+        check_regular(path, st)
+        # Regular files ignore O_NONBLOCK for reads; clear it anyway so a
+        # read never returns EAGAIN on an exotic filesystem.
+        os.set_blocking(fd, True)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return fd, st
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def hash_fd(fd: int, path: str = "<fd>") -> tuple[str, int]:
+    """SHA-256 of everything readable from ``fd`` (from its current offset).
+
+    Returns:
+        (64 lowercase hex, bytes read).
+
+    Raises:
+        FailedPrecondition: a read error, naming ``path``.
+    """
+    h = hashlib.sha256()
+    buf = bytearray(READ_CHUNK)
+    view = memoryview(buf)
+    total = 0
+    prefetch = hasattr(os, "posix_fadvise")
+    with open(fd, "rb", buffering=0, closefd=False) as f:
+        offset = f.tell()
+        while True:
+            try:
+                n = f.readinto(view)
+            except OSError as exc:
+                raise os_error(path, exc) from None
+            if not n:
+                break
+            offset += n
+            if prefetch:
+                # Start reading the NEXT chunk from disk now, so that the disk
+                # works while this chunk is hashed (a plain read loop would
+                # alternate: read, then hash, never both at once).
+                try:
+                    os.posix_fadvise(fd, offset, READ_CHUNK, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    prefetch = False
+            h.update(view[:n])
+            total += n
+    return h.hexdigest(), total
+
+
+def hash_file(path: str) -> tuple[str, int]:
+    """SHA-256 hex and size of one regular file: the content id computation
+    shared by the daemon and the client.
+
+    Args:
+        path: a regular file (symlinks are followed).
+
+    Returns:
+        (64 lowercase hex, size in bytes).
+
+    Raises:
+        NotFound: no such file. PermissionDenied: not readable.
+        InvalidArgument: a directory or FIFO. FailedPrecondition: the file
+        changed size while it was read, or a read error.
+    """
+    fd, st = open_regular(path)
+    try:
+        digest, nbytes = hash_fd(fd, path)
+    finally:
+        os.close(fd)
+    if nbytes != st.st_size:
+        raise FailedPrecondition(
+            f"source {path}: read {nbytes} bytes, expected {st.st_size}; it changed while it was hashed, retry"
+        )
+    return digest, nbytes
+
+
+def absolute_path(path: str | os.PathLike[str]) -> str:
+    """``path`` made absolute against the cwd; ``.`` and repeated slashes
+    are dropped, but ``..`` is kept when present: collapsing it lexically
+    (as ``os.path.abspath`` does) names another file when the component
+    before it is a symlink."""
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        text = os.path.join(os.getcwd(), text)
+    return text if ".." in text.split("/") else os.path.normpath(text)
+
+
+def content_id_of(hex_digest: str) -> str:
+    """The content id (``sha256:<hex>``) of a SHA-256 hex digest."""
+    return "sha256:" + hex_digest

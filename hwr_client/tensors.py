@@ -1,0 +1,196 @@
+"""The torch half of publication: torch dtypes, plans built from tensors,
+and the payload bytes of CPU tensors.
+
+The torch-free half (plan records, :func:`~hwr_client.core.plan.check_plan`,
+the wire conversion) is :mod:`hwr_client.core.plan`, which the daemon uses.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Iterator, Mapping, Sequence
+
+import torch
+
+from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.identity import Identity
+from hwr_client.core.layout import DTYPE_SIZES, FileLayout, TensorSpec, parse_header
+from hwr_client.core.plan import FILE_TARGET_BYTES, BlockSpec, FileSpec, PlanSpec, derive_blocks
+
+#: safetensors dtype string -> torch dtype (sizes: core.layout.DTYPE_SIZES).
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "U16": torch.uint16,
+    "I16": torch.int16,
+    "U32": torch.uint32,
+    "I32": torch.int32,
+    "U64": torch.uint64,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+assert TORCH_DTYPES.keys() == DTYPE_SIZES.keys()
+_BY_TORCH = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors dtype string of a torch dtype.
+
+    Raises:
+        InvalidArgument: a dtype safetensors cannot store.
+    """
+    try:
+        return _BY_TORCH[dtype]
+    except KeyError:
+        raise InvalidArgument(f"dtype {dtype}: not storable; expected one of {sorted(map(str, _BY_TORCH))}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch dtype of a safetensors dtype string.
+
+    Raises:
+        InvalidArgument: an unknown dtype string.
+    """
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        raise InvalidArgument(f"dtype {name!r}: unknown; expected one of {sorted(TORCH_DTYPES)}") from None
+
+
+def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
+    """The planned form (name, dtype string, shape) of a tensor."""
+    return TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
+def build_plan(
+    identity: Identity | Mapping | str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    blocks: Sequence[Sequence[str]] | None = None,
+    ordered: bool = True,
+    file_target_bytes: int = FILE_TARGET_BYTES,
+) -> PlanSpec:
+    """Arranges tensors into payload files.
+
+    Non-block tensors go into the first file; blocks follow in execution
+    order, packed into files of about ``file_target_bytes``.
+
+    Args:
+        identity: Identity, its dict document or its JSON text.
+        tensors: name -> CPU tensor.
+        blocks: name groups in execution order; None derives them from names.
+        ordered: whether the payload will be sent strictly sequentially.
+        file_target_bytes: split block files at about this size.
+
+    Raises:
+        InvalidArgument: empty mapping, unknown names in blocks, bad names.
+    """
+    identity = Identity.coerce(identity)
+    if not tensors:
+        raise InvalidArgument("publication: expected at least one tensor, got none")
+    groups = (
+        [(_common_prefix(g), list(g)) for g in blocks] if blocks is not None else derive_blocks(list(tensors))
+    )
+    in_block = {n for _, g in groups for n in g}
+    unknown = in_block - set(tensors)
+    if unknown:
+        raise InvalidArgument(f"publication: block tensors {sorted(unknown)[:5]} are not in the tensor mapping")
+    spec = {name: spec_of(name, t) for name, t in tensors.items()}
+    files: list[FileSpec] = []
+    base = [spec[n] for n in tensors if n not in in_block]
+    if base:
+        files.append(FileSpec("base.safetensors", tuple(base)))
+    current: list[TensorSpec] = []
+    for _, group in groups:
+        size = sum(spec[n].nbytes for n in group)
+        if current and sum(s.nbytes for s in current) + size > file_target_bytes:
+            files.append(FileSpec(f"blocks-{len(files):03d}.safetensors", tuple(current)))
+            current = []
+        current.extend(spec[n] for n in group)
+    if current:
+        files.append(FileSpec(f"blocks-{len(files):03d}.safetensors", tuple(current)))
+    block_specs = tuple(BlockSpec(i, prefix, tuple(g)) for i, (prefix, g) in enumerate(groups))
+    return PlanSpec(identity, tuple(files), block_specs, ordered)
+
+
+def _common_prefix(names: Sequence[str]) -> str:
+    if not names:
+        raise InvalidArgument("publication: a block must name at least one tensor")
+    first, last = min(names), max(names)
+    i = 0
+    while i < min(len(first), len(last)) and first[i] == last[i]:
+        i += 1
+    prefix = first[:i]
+    return prefix[: prefix.rfind(".") + 1] if "." in prefix else prefix
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor (contiguous copy only when needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise InvalidArgument(f"tensor on {t.device}: publication takes CPU tensors")
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def iter_payload(
+    layout: FileLayout, tensors: Mapping[str, torch.Tensor], chunk_bytes: int
+) -> Iterator[tuple[int, memoryview]]:
+    """Yields (data-region offset, bytes) chunks of one file's data region in
+    order, padding included, each at most ``chunk_bytes``.
+
+    Raises:
+        InvalidArgument: a tensor whose dtype/shape differ from the layout.
+    """
+    zeros = memoryview(bytes(64))
+    pos = 0
+    for spec, off in zip(layout.tensors, layout.tensor_offsets):
+        t = tensors[spec.name]
+        if spec_of(spec.name, t) != spec:
+            raise InvalidArgument(f"tensor {spec.name!r}: is {t.dtype} {list(t.shape)}, planned {spec.dtype} {list(spec.shape)}")
+        if off > pos:
+            yield pos, zeros[: off - pos]
+        data = tensor_bytes(t)
+        for i in range(0, len(data), chunk_bytes):
+            yield off + i, data[i : i + chunk_bytes]
+        pos = off + len(data)
+    if layout.data_size > pos:
+        yield pos, zeros[: layout.data_size - pos]
+
+
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Maps a safetensors file read-only and returns zero-copy tensors.
+
+    The header is parsed strictly first (:func:`hwr_client.core.layout.parse_header`),
+    so a truncated file, a garbage header or a header length over the limit
+    is a clear error naming the file, before anything is allocated.
+
+    Raises:
+        InvalidArgument: naming ``path`` and the problem.
+    """
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise InvalidArgument(f"{path}: cannot open ({exc.strerror})") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        header = parse_header(f, size, what=path)
+        if size == 0 or size == header.data_start:
+            mm = None
+        else:
+            mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    out: dict[str, torch.Tensor] = {}
+    for e in header.tensors():
+        dtype = TORCH_DTYPES[e.dtype]
+        if e.end == e.begin or mm is None:
+            out[e.name] = torch.empty(e.shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=e.end - e.begin, offset=header.data_start + e.begin)
+        out[e.name] = raw.view(dtype).reshape(e.shape)
+    return out
