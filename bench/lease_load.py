@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 
 import hwr_client  # noqa: E402
 from hwr_client.core._proto import hwr_pb2 as pb  # noqa: E402
-from hwr_client.cli.demo import daemon_for  # noqa: E402
+from hwr_client.cli.workers import daemon_for  # noqa: E402
 from warm_start import synthetic_tensors, bench_identity  # noqa: E402
 
 
