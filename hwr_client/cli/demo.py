@@ -64,6 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_prewarm(args: argparse.Namespace) -> int:
     """Publishes the artifact of ``--checkpoint`` under ``--contract``."""
+    # The runtime imports torch: only this command pays for it, the parser
+    # (and `hwr serve`) stays light.
     from dlo_runtime.contracts import get_contract
 
     contract = get_contract(args.contract)
@@ -156,6 +158,7 @@ def _print(rows: dict[str, dict[str, Any]], baseline_kib: int, size: int) -> Non
 
 def run_demo(args: argparse.Namespace) -> int:
     """Runs the demo; returns 0 when every check passes, else 1."""
+    # torch, as in run_prewarm: imported by the command, not the parser.
     from dlo_runtime.models.tiny_dit import TinyDiTConfig, write_checkpoint
 
     size = parse_size(args.size)

@@ -20,6 +20,8 @@ import tempfile
 import time
 from typing import Any, Callable, Iterator
 
+import grpc
+
 from hwr_client.cli.pss import process_pss
 from hwr_client.core.errors import InvalidArgument
 
@@ -27,7 +29,6 @@ from hwr_client.core.errors import InvalidArgument
 def _wait_serving(socket: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
     """Polls the daemon's health service until it reports SERVING."""
     # grpc_health is only needed here: kept off the CLI parser's imports.
-    import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
