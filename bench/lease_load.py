@@ -52,15 +52,13 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 
 import hwr_client  # noqa: E402
 from hwr_client.core._proto import hwr_pb2 as pb  # noqa: E402
-from hwr_client.cli.demo import daemon_for  # noqa: E402
+from hwr_client.cli.workers import daemon_for  # noqa: E402
 from warm_start import synthetic_tensors, bench_identity  # noqa: E402
 
 
 def _loop(op: str, client: hwr_client.Client, key: str, stop_at: float, lat: list[float], errors: list[str],
           period: float) -> None:
-    from hwr_client.session import get_session
-
-    session = get_session(client) if op != "lookup" else None
+    session = client.session() if op != "lookup" else None
     next_at = time.monotonic() + random.uniform(0.0, period)  # staggered starts
     try:
         while time.monotonic() < stop_at:
@@ -91,9 +89,7 @@ def child(args: argparse.Namespace) -> None:
     """``--threads`` clients of one process; prints latencies as JSON."""
     client = hwr_client.connect(args.socket)
     if args.child != "lookup":
-        from hwr_client.session import get_session
-
-        get_session(client).session_id()  # open before the clock starts
+        client.session().session_id()  # open before the clock starts
     print("ready", flush=True)
     start_at = float(sys.stdin.readline())
     time.sleep(max(0.0, start_at - time.time()))
@@ -141,6 +137,7 @@ def phase(args: argparse.Namespace, socket: str, op: str, key: str) -> dict[str,
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Starts a daemon (unless --socket), publishes one artifact, runs the three phases; returns the JSON document."""
     workdir = tempfile.mkdtemp(prefix="hwr-bench-lease-", dir=args.dir)
     ns = argparse.Namespace(socket=args.socket, admin_socket=None)
     with daemon_for(ns, workdir) as socket:
@@ -166,6 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parses the options, runs the benchmark (or one child), prints and saves the numbers."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--procs", type=int, default=8, help="client processes (one session each)")

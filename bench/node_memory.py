@@ -42,19 +42,15 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
 import hwr_client  # noqa: E402
-from hwr_client.cli.demo import daemon_for, human, parse_size  # noqa: E402
+# Every child imports the client stack (grpc included), so the baseline
+# subtracts its memory from the hwr rows.
+import hwr_client.client  # noqa: E402,F401
+from hwr_client.cli.pss import pss_kib  # noqa: E402
+from hwr_client.cli.workers import daemon_for  # noqa: E402
+from hwr_client.core.defaults import human, parse_size  # noqa: E402
 from warm_start import bench_identity, publish_synthetic  # noqa: E402
 
 MODES = ("baseline", "hwr", "private", "load_file mmap")
-
-
-def pss_kib(pid: int) -> int:
-    """Pss of ``pid`` in KiB from /proc/<pid>/smaps_rollup."""
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/{pid}/smaps_rollup has no Pss line")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -108,6 +104,8 @@ def measure(args: argparse.Namespace, socket: str, mode: str, tag: str, paths: l
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Starts a daemon (unless --socket), publishes the artifact, measures
+    every mode; prints the table and returns the JSON document."""
     size = parse_size(args.size)
     workdir = tempfile.mkdtemp(prefix="hwr-bench-mem-", dir=args.dir)
     ns = argparse.Namespace(socket=args.socket, admin_socket=None)
@@ -143,6 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parses the options, runs the benchmark (or one child), prints and saves the numbers."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="2GiB", help="artifact size (default 2GiB)")
     p.add_argument("--tensors", type=int, default=400)

@@ -66,6 +66,7 @@ def make_tensors(size: int, blocks: int) -> dict[str, torch.Tensor]:
 
 
 def identity(tag: str) -> dict:
+    """The identity document of a benchmark artifact tagged ``tag``."""
     return {
         "contract": {"name": "bench", "version": 1},
         "sources": [{"name": "model.safetensors", "content_id": "sha256:" + "cd" * 32}],
@@ -96,6 +97,7 @@ def raw_write_fsync(directory: str, tensors: dict[str, torch.Tensor]) -> tuple[f
 
 
 def sha_1core(tensors: dict[str, torch.Tensor]) -> tuple[float, int]:
+    """SHA-256 of the tensors' bytes on one core: (seconds, bytes), the hashing bound."""
     from hwr_client.tensors import tensor_bytes
 
     h, total = hashlib.sha256(), 0
@@ -108,11 +110,13 @@ def sha_1core(tensors: dict[str, torch.Tensor]) -> tuple[float, int]:
 
 
 def proc_io(pid: int) -> dict[str, int]:
+    """The counters of ``/proc/PID/io`` (bytes read and written by the process)."""
     with open(f"/proc/{pid}/io") as f:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
 def vm_hwm_bytes(pid: int) -> int:
+    """Peak resident set size of ``pid`` in bytes (VmHWM)."""
     with open(f"/proc/{pid}/status") as f:
         return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) * 1024
 
@@ -125,6 +129,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def publish_once(daemon, tensors: dict[str, torch.Tensor], ordered: bool) -> dict:
+    """Publishes ``tensors`` once through the daemon; returns MB/s, CPU s/GB (daemon and client) and daemon reads."""
     pid = daemon.proc.pid
     with daemon.client() as client:
         before, cpu0, me0 = proc_io(pid), cpu_seconds(pid), time.process_time()
@@ -144,6 +149,7 @@ def publish_once(daemon, tensors: dict[str, torch.Tensor], ordered: bool) -> dic
 
 
 def run(size: int, blocks: int, directory: str) -> dict:
+    """Runs every measurement for one artifact size; returns the JSON document."""
     tensors = make_tensors(size, blocks)
     cpu0 = time.process_time()
     raw_s, raw_bytes = raw_write_fsync(directory, tensors)
@@ -175,6 +181,7 @@ def run(size: int, blocks: int, directory: str) -> dict:
 
 
 def print_table(r: dict) -> None:
+    """Prints MB/s and daemon reads per path, then the limits and CPU seconds per GB."""
     o, u = r["ordered"], r["unordered"]
     rows = [
         ("raw write+fsync", r["raw_write_fsync_MBps"], "", "", ""),
@@ -195,6 +202,7 @@ def print_table(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parses the options, runs the benchmark, prints and saves the numbers."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="2GiB", help="artifact payload size (default 2GiB)")
     parser.add_argument("--blocks", type=int, default=40)

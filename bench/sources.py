@@ -52,6 +52,7 @@ MB = 1e6
 
 
 def cores() -> int:
+    """CPU cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -152,6 +153,7 @@ class ServedDaemon:
         raise TimeoutError("daemon not serving")
 
     def close(self) -> None:
+        """Stops the daemon and removes its sockets' directory."""
         self.proc.terminate()
         self.proc.wait(30)
         self.log.close()
@@ -174,6 +176,7 @@ def warm_latency(client: hwr_client.Client, paths: list[str], rounds: int) -> tu
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Measures raw reads and hashing, then cold and warm ResolveSources through a daemon; returns the JSON document."""
     size = parse_size(args.size)
     work = tempfile.mkdtemp(prefix="hwr-bench-sources-", dir=args.dir)
     src = os.path.join(work, "src")
@@ -216,6 +219,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parses the options, runs the benchmark, prints and saves the numbers."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=4)
     parser.add_argument("--size", default="1GiB", help="bytes per file (e.g. 1GiB, 32MiB)")

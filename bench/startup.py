@@ -62,7 +62,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from dlo_runtime.worker import pss_breakdown  # noqa: E402
-from hwr_client.cli.demo import WorkerProcesses, daemon_for, human, parse_size  # noqa: E402
+from hwr_client.cli.workers import WorkerProcesses, daemon_for  # noqa: E402
+from hwr_client.core.defaults import human, parse_size  # noqa: E402
 
 GIB = 1 << 30
 #: Skip 4 concurrent ordinary workers above this much private memory.

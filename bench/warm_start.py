@@ -52,7 +52,8 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 import hwr_client  # noqa: E402
-from hwr_client.cli.demo import daemon_for, human, parse_size  # noqa: E402
+from hwr_client.cli.workers import daemon_for  # noqa: E402
+from hwr_client.core.defaults import human, parse_size  # noqa: E402
 
 VARIANTS = ("hwr", "hwr+touch", "load_file", "load_file pread", "hwr verify=fast", "hwr verify=full")
 
@@ -99,6 +100,9 @@ def child(args: argparse.Namespace) -> None:
     """Runs one variant after imports; prints {"seconds": ..., ...}."""
     from safetensors.torch import load_file
 
+    # Imported before the clock starts: connect() must not pay for the
+    # client's import (grpc) inside the timed start.
+    import hwr_client.client  # noqa: F401
     from hwr_client.resolve import resolve
 
     paths = args.paths.split(",") if args.paths else []
@@ -144,6 +148,7 @@ def measure(args: argparse.Namespace, socket: str, variant: str, tag: str, paths
 
 def run_case(args: argparse.Namespace, client: hwr_client.Client, socket: str, size: int, count: int,
              variants: tuple[str, ...]) -> dict[str, Any]:
+    """Publishes one synthetic artifact and times every start variant on it; returns its row."""
     tag = f"{size}-{count}"
     key, paths = publish_synthetic(client, size, count, tag)
     row: dict[str, Any] = {"bytes": sum(os.path.getsize(p) for p in paths), "tensors": count, "files": len(paths),
@@ -161,6 +166,7 @@ def run_case(args: argparse.Namespace, client: hwr_client.Client, socket: str, s
 
 
 def print_rows(title: str, rows: list[dict[str, Any]], variants: tuple[str, ...]) -> None:
+    """Prints one table of rows: milliseconds per variant and the speedups over load_file."""
     print(f"\n{title}")
     variants = tuple(v for v in variants if "verify=" not in v)  # printed as GB/s below
     speedups = [v for v in variants if v.startswith("load_file")]
@@ -173,6 +179,7 @@ def print_rows(title: str, rows: list[dict[str, Any]], variants: tuple[str, ...]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Starts a daemon (unless --socket), runs the main case and the scaling cases; returns the JSON document."""
     size, small = parse_size(args.size), parse_size(args.scaling_size)
     workdir = tempfile.mkdtemp(prefix="hwr-bench-warm-", dir=args.dir)
     ns = argparse.Namespace(socket=args.socket, admin_socket=None)
@@ -201,6 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parses the options, runs the benchmark (or one child), prints and saves the numbers."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="4GiB", help="main artifact size (default 4GiB)")
     p.add_argument("--tensors", type=int, default=400, help="tensors in the main artifact (default 400)")

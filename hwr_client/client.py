@@ -2,9 +2,13 @@
 
 ``connect()`` opens the runtime channel; admin calls open the admin channel
 lazily. Each verb is implemented in the module of its concept
-(``publish``, ``lease``, ``resolve``, ``sources``); this class only holds the
-channels and converts failed calls into :mod:`hwr_client.core.errors` classes in
-ONE place (:meth:`Client.call`).
+(``publish``, ``lease``, ``resolve``, ``sources``); this class holds the
+channels and the process's session, and failed calls become
+:mod:`hwr_client.core.errors` classes in :mod:`hwr_client.channel`.
+
+Layers (no cycle): ``channel`` at the bottom; ``session`` on it; ``lease``,
+``publish``, ``sources`` and ``resolve`` on those; this module on top. None
+of them imports this one.
 
 Example:
     >>> import hwr_client                                    # doctest: +SKIP
@@ -18,64 +22,71 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Self, Sequence
 
 import grpc
 
+from hwr_client.channel import RuntimeChannel, default_socket, open_channel
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.core.defaults import MESSAGE_OPTIONS, default_paths
-from hwr_client.core.errors import InvalidArgument, from_rpc_error
+from hwr_client.core.digests import SourceDigest
+from hwr_client.core.identity import Identity
 from hwr_client.core.manifest import Manifest
+from hwr_client.core.plan import FILE_TARGET_BYTES
+from hwr_client.resolve import Mode, PublishAfterLoadReport, Resolution
+from hwr_client.resolve import publish_after_load as _publish_after_load
+from hwr_client.resolve import resolve as _resolve
+from hwr_client.session import Session
+from hwr_client.sources import resolve_sources as _resolve_sources
+
+if TYPE_CHECKING:  # torch-heavy modules: imported by the verbs that need them
+    import torch
+
+    from hwr_client.lease import Lease
+    from hwr_client.publish import PublishReport
+
+__all__ = ["Client", "connect"]
+
+_session_lock = threading.Lock()
 
 
-
-def default_socket(*, admin: bool = False) -> str:
-    """The socket a client uses when none is given: ``HWR_ADMIN_SOCKET`` /
-    ``HWR_SOCKET`` (read at call time, never at import), else the daemon's
-    default for this user."""
-    env = os.environ.get("HWR_ADMIN_SOCKET" if admin else "HWR_SOCKET")
-    if env:
-        return env
-    _, sock, admin_sock = default_paths()
-    return admin_sock if admin else sock
+def _reinit_after_fork() -> None:
+    # A lock copied into the child while another parent thread held it would
+    # stay locked forever; the child starts with a fresh one.
+    global _session_lock
+    _session_lock = threading.Lock()
 
 
-def open_channel(path: str) -> grpc.Channel:
-    if not path:
-        raise InvalidArgument("socket path: expected a non-empty path")
-    return grpc.insecure_channel(f"unix:{os.path.abspath(path)}", options=MESSAGE_OPTIONS)
+os.register_at_fork(after_in_child=_reinit_after_fork)
 
 
-class Client:
+class Client(RuntimeChannel):
     """A connection to one node daemon. Thread-safe; one per process is
-    enough (leases share its session)."""
+    enough (leases share its session).
+
+    Args:
+        socket: runtime socket path; default ``HWR_SOCKET`` or the daemon's
+            default path.
+        admin_socket: admin socket path; default ``HWR_ADMIN_SOCKET`` or
+            the daemon's default, opened on the first admin call.
+    """
 
     def __init__(self, socket: str | None = None, *, admin_socket: str | None = None):
-        self.socket = socket or default_socket()
+        super().__init__(socket)
         self._admin_socket = admin_socket
-        self.channel = open_channel(self.socket)
-        self.runtime = pb_grpc.RuntimeStub(self.channel)
         self._admin: pb_grpc.AdminStub | None = None
         self._admin_channel: grpc.Channel | None = None
         self._lock = threading.Lock()
-        #: The process's session (hwr_client.session.Session), opened lazily.
-        self._session: Any = None
+        # The process's session, opened by the first acquire (see session()).
+        self._session: Session | None = None
 
     # -- plumbing -----------------------------------------------------------
-
-    def call(self, method: Any, request: Any, *, timeout: float | None = 60.0, **kwargs: Any) -> Any:
-        """Invokes a unary stub method; a failed call raises the daemon's
-        error class (NotFound, InvalidArgument, ...)."""
-        try:
-            return method(request, timeout=timeout, **kwargs)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
 
     @property
     def admin(self) -> pb_grpc.AdminStub:
         """Admin stub on the admin socket (read-only admin calls also work on
-        the runtime socket: see :meth:`reader`)."""
+        the runtime socket: see :attr:`reader`)."""
+        # Two threads making their first admin call must share one channel.
         with self._lock:
             if self._admin is None:
                 self._admin_channel = open_channel(self._admin_socket or default_socket(admin=True))
@@ -88,20 +99,40 @@ class Client:
         inspect, leases, stats, sources) that need no admin rights."""
         return pb_grpc.AdminStub(self.channel)
 
+    def session(self) -> Session:
+        """This client's session for THIS process, opened on first use.
+
+        A session inherited through fork (another pid) is abandoned, never
+        used or closed: its stream belongs to the parent; the child opens
+        its own.
+
+        Raises:
+            Unavailable: the daemon did not answer the session open in time.
+        """
+        session = self._session
+        if session is not None and session.usable:
+            return session
+        # One session per client: two threads acquiring at once must not
+        # both open a stream (the loser's leases would sit on a session
+        # nobody tracks).
+        with _session_lock:
+            session = self._session
+            if session is None or not session.usable:
+                session = Session(self.socket)
+                self._session = session
+            return session
+
     def close(self) -> None:
         """Ends the session (releasing its leases) and closes the channels."""
         session, self._session = self._session, None
         if session is not None:
             session.close()
-        self.channel.close()
+        super().close()
         if self._admin_channel is not None:
             self._admin_channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Self:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- verbs ---------------------------------------------------------------
 
@@ -115,40 +146,57 @@ class Client:
         reply = self.call(self.runtime.Lookup, pb.LookupRequest(key=key))
         return Manifest.from_json(reply.manifest_json, what=f"artifact {key[:12]} manifest")
 
-    def publish(self, identity: Any, tensors: Mapping[str, Any], **kwargs: Any) -> Any:
+    def publish(
+        self,
+        identity: Identity | Mapping[str, Any] | str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        blocks: Sequence[Sequence[str]] | None = None,
+        ordered: bool = True,
+        file_target_bytes: int = FILE_TARGET_BYTES,
+        progress: Callable[[int, int], None] | None = None,
+        seed: int | None = None,
+    ) -> PublishReport:
         """Publishes CPU tensors as a final-layout artifact; see
-        :func:`hwr_client.publish.publish`."""
+        :func:`hwr_client.publish.publish` for the options and errors."""
+        # hwr_client.publish imports torch: imported on use, so importing the
+        # client (the CLI, admin tools) does not load torch.
         from hwr_client.publish import publish
 
-        return publish(self, identity, tensors, **kwargs)
+        return publish(self, identity, tensors, blocks=blocks, ordered=ordered,
+                       file_target_bytes=file_target_bytes, progress=progress, seed=seed)
 
-    def acquire(self, key: str, **kwargs: Any) -> Any:
-        """Takes a lease on a published artifact; see
-        :func:`hwr_client.lease.acquire`."""
+    def acquire(self, key: str, *, verify: str = "none") -> Lease:
+        """Takes a lease on a published artifact and maps it; see
+        :func:`hwr_client.lease.acquire` for the verify modes and errors."""
+        # hwr_client.lease imports torch (views): imported on use, as above.
         from hwr_client.lease import acquire
 
-        return acquire(self, key, **kwargs)
+        return acquire(self, key, verify=verify)
 
-    def resolve(self, identity: Any, **kwargs: Any) -> Any:
+    def resolve(self, identity: Identity | Mapping[str, Any] | str, *, mode: Mode | str = Mode.PREFERRED,
+                verify: str = "none") -> Resolution:
         """Resolves an identity to a lease or a fallback decision; see
         :func:`hwr_client.resolve.resolve`."""
-        from hwr_client.resolve import resolve
+        return _resolve(self, identity, mode=mode, verify=verify)
 
-        return resolve(self, identity, **kwargs)
-
-    def publish_after_load(self, identity: Any, tensors: Mapping[str, Any], **kwargs: Any) -> Any:
+    def publish_after_load(
+        self,
+        identity: Identity | Mapping[str, Any] | str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        blocks: Sequence[Sequence[str]] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> PublishAfterLoadReport:
         """Publishes after a canonical load without ever raising; see
         :func:`hwr_client.resolve.publish_after_load`."""
-        from hwr_client.resolve import publish_after_load
+        return _publish_after_load(self, identity, tensors, blocks=blocks, progress=progress)
 
-        return publish_after_load(self, identity, tensors, **kwargs)
-
-    def resolve_sources(self, paths: Sequence[str], **kwargs: Any) -> Any:
-        """Content ids of canonical files; see
-        :func:`hwr_client.sources.resolve_sources`."""
-        from hwr_client.sources import resolve_sources
-
-        return resolve_sources(self, paths, **kwargs)
+    def resolve_sources(self, paths: Sequence[str | os.PathLike[str]], *,
+                        threads: int | None = None) -> list[SourceDigest]:
+        """Content ids of canonical files, from the daemon's cache when it
+        can; see :func:`hwr_client.sources.resolve_sources`."""
+        return _resolve_sources(self, paths, threads=threads)
 
 
 def connect(socket: str | None = None, *, admin_socket: str | None = None) -> Client:

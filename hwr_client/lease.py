@@ -27,16 +27,18 @@ import hashlib
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 import xxhash
 
 from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
 from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument
 from hwr_client.core.identity import check_key
 from hwr_client.core.manifest import BlockEntry, Manifest
 from hwr_client.mapping import MappedArtifact, Region
+from hwr_client.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,19 @@ VERIFY_MODES = ("none", "fast", "full")
 #: Bytes hashed per update: small enough to stay in L2 while the second
 #: hasher (block or tensor) reads the same chunk.
 _CHUNK = 1 << 20
+
+
+class LeaseClient(Protocol):
+    """What :func:`acquire` needs of a client: the process's session and
+    the runtime stub (to report corruption). :class:`hwr_client.Client` is
+    one."""
+
+    @property
+    def runtime(self) -> pb_grpc.RuntimeStub: ...
+
+    def call(self, method: Callable[..., Any], request: Any, *, timeout: float | None = ...) -> Any: ...
+
+    def session(self) -> Session: ...
 
 
 class Lease:
@@ -89,6 +104,7 @@ class Lease:
 
     @property
     def blocks(self) -> tuple[BlockEntry, ...]:
+        """The manifest's blocks, in execution order."""
         return self._mapped.blocks
 
     def regions(self) -> list[Region]:
@@ -104,6 +120,7 @@ class Lease:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` ran."""
         return self._closed
 
     @property
@@ -166,6 +183,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """True when every digest compared matched."""
         return not self.problems
 
 
@@ -193,7 +211,7 @@ def _file_problems(mapped: MappedArtifact, index: int, mode: str) -> tuple[list[
     compared)."""
     m = mapped.manifest
     entry = m.files[index]
-    data = memoryview(mapped.file_bytes(index).numpy())
+    data = mapped.file_bytes(index).numpy().data  # a memoryview of the mapping, no copy
     if mode == "fast":
         # One xxh3 pass over the file covers every byte of every block in
         # it (the manifest's block digests were computed from these same
@@ -203,18 +221,18 @@ def _file_problems(mapped: MappedArtifact, index: int, mode: str) -> tuple[list[
         whole, _ = _hash_file(data, [], xxhash.xxh3_128)
         if whole == entry.xxh3_128:
             return [], len(data), 1
-        items = sorted((b for b in m.blocks if b.file == index), key=lambda b: b.begin)
-        expected = [(f"block {b.index} ({b.prefix})", b.xxh3_128) for b in items]
-        parts = [_hash_file(data[b.begin:b.end], [], xxhash.xxh3_128)[0] for b in items]
+        blocks = sorted((b for b in m.blocks if b.file == index), key=lambda b: b.begin)
+        expected = [(f"block {b.index} ({b.prefix})", b.xxh3_128) for b in blocks]
+        parts = [_hash_file(data[b.begin:b.end], [], xxhash.xxh3_128)[0] for b in blocks]
         file_expected, algo = entry.xxh3_128, "xxh3-128"
-        hashed = len(data) + sum(b.nbytes for b in items)
+        hashed = len(data) + sum(b.nbytes for b in blocks)
     else:
         # Full: every tensor's SHA-256 too, in the same pass (each chunk is
         # read once and fed to both hashers), so the manifest's per-tensor
         # digests are proven as well, not just the file.
-        items = sorted((t for t in m.tensors if t.file == index), key=lambda t: t.offset)
-        ranges = [(t.offset, t.offset + t.nbytes) for t in items]
-        expected = [(f"tensor {t.name!r}", t.sha256) for t in items]
+        tensors = sorted((t for t in m.tensors if t.file == index), key=lambda t: t.offset)
+        ranges = [(t.offset, t.offset + t.nbytes) for t in tensors]
+        expected = [(f"tensor {t.name!r}", t.sha256) for t in tensors]
         whole, parts = _hash_file(data, ranges, hashlib.sha256)
         file_expected, algo = entry.blob, "sha256"
         hashed = len(data)
@@ -222,7 +240,7 @@ def _file_problems(mapped: MappedArtifact, index: int, mode: str) -> tuple[list[
     if whole != file_expected:
         problems.append(f"file {index} ({entry.name}): {algo} {whole}, expected {file_expected}")
     problems += [f"{what}: {algo} {got}, expected {want}" for (what, want), got in zip(expected, parts) if got != want]
-    return problems, hashed, 1 + len(items)
+    return problems, hashed, 1 + len(expected)
 
 
 def verify_mapped(mapped: MappedArtifact, mode: str, *, threads: int = 4) -> VerifyReport:
@@ -261,7 +279,7 @@ def _check_verify(verify: str) -> str:
     return verify
 
 
-def acquire(client: Any, key: str, *, verify: str = "none") -> Lease:
+def acquire(client: LeaseClient, key: str, *, verify: str = "none") -> Lease:
     """Takes a lease on a published artifact and maps it read-only.
 
     Args:
@@ -283,11 +301,9 @@ def acquire(client: Any, key: str, *, verify: str = "none") -> Lease:
         >>> with client.acquire(key, verify="fast") as lease:   # doctest: +SKIP
         ...     w = lease.tensors()["blocks.0.attn.qkv.weight"]
     """
-    from hwr_client.session import get_session
-
     check_key(key)
     _check_verify(verify)
-    session = get_session(client)
+    session = client.session()
     reply = session.acquire(key)
     try:
         manifest = Manifest.from_json(reply.manifest_json, what=f"artifact {key[:12]} manifest")
@@ -304,14 +320,14 @@ def acquire(client: Any, key: str, *, verify: str = "none") -> Lease:
     return lease
 
 
-def _release_quietly(session: Any, lease_id: str, key: str) -> None:
+def _release_quietly(session: Session, lease_id: str, key: str) -> None:
     try:
         session.release(lease_id)
     except HwrError as exc:
         log.warning("lease %s… on %s: release after a failed acquire failed: %s", lease_id[:8], key[:12], exc)
 
 
-def _verify_or_close(client: Any, lease: Lease, mode: str) -> None:
+def _verify_or_close(client: LeaseClient, lease: Lease, mode: str) -> None:
     report = lease.verify(mode)
     if report.ok:
         return
@@ -328,7 +344,7 @@ def _verify_or_close(client: Any, lease: Lease, mode: str) -> None:
     )
 
 
-def _report_corruption(client: Any, key: str, detail: str) -> tuple[bool, list[str]]:
+def _report_corruption(client: LeaseClient, key: str, detail: str) -> tuple[bool, list[str]]:
     try:
         reply = client.call(client.runtime.ReportCorruption, pb.ReportCorruptionRequest(key=key, detail=detail),
                             timeout=600.0)

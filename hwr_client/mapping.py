@@ -47,6 +47,7 @@ class Region:
 
     @property
     def aligned_length(self) -> int:
+        """``length`` rounded up to whole pages: what a registrar registers."""
         return (self.length + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
 
 
@@ -195,6 +196,7 @@ class MappedArtifact:
 
     @property
     def blocks(self) -> tuple[BlockEntry, ...]:
+        """The manifest's blocks, in execution order."""
         return self.manifest.blocks
 
     def regions(self) -> list[Region]:

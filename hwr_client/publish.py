@@ -19,11 +19,12 @@ import dataclasses
 import queue
 import random
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import grpc
 import torch
 
+from hwr_client.channel import RuntimeChannel
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import Internal, InvalidArgument, from_rpc_error
 from hwr_client.core.identity import Identity
@@ -190,7 +191,7 @@ class _Requests:
 
 
 def publish(
-    client: Any,
+    client: RuntimeChannel,
     identity: Identity | Mapping | str,
     tensors: Mapping[str, torch.Tensor],
     *,
@@ -203,7 +204,8 @@ def publish(
     """Publishes a mapping of CPU tensors as a final-layout artifact.
 
     Args:
-        client: a connected :class:`hwr_client.Client`.
+        client: a connected :class:`hwr_client.Client` (any
+            :class:`~hwr_client.channel.RuntimeChannel`).
         identity: Identity, its dict document or JSON text.
         tensors: name -> CPU tensor.
         blocks: name groups in execution order; None derives them from names
@@ -231,7 +233,6 @@ def publish(
     plan = build_plan(identity, tensors, blocks=blocks, ordered=ordered, file_target_bytes=file_target_bytes)
     checked = check_plan(plan)
     _check_tensors(checked, tensors)
-    reqs: _Requests | None = None
 
     def pieces() -> Iterator[_Piece]:
         size = min(MESSAGE_BYTES, accepted_max[0] or MESSAGE_BYTES)

@@ -1,9 +1,9 @@
 """The client process's session with the daemon (DESIGN §7).
 
 One session stream per process per :class:`~hwr_client.client.Client`,
-opened lazily by the first acquire. The daemon binds leases to it and
-releases them when the stream ends, so a worker that exits, crashes or is
-SIGKILLed never leaks a lease.
+opened by :meth:`hwr_client.client.Client.session` on the first acquire.
+The daemon binds leases to it and releases them when the stream ends, so a
+worker that exits, crashes or is SIGKILLed never leaks a lease.
 
 * Keepalives: the stream's request generator sends one every
   ``keepalive_interval_ms`` (told by the daemon); no extra thread.
@@ -25,13 +25,14 @@ import queue
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import grpc
 
+from hwr_client.channel import call as call_unary
+from hwr_client.channel import open_channel
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.client import open_channel
 from hwr_client.core.errors import FailedPrecondition, HwrError, Unavailable, from_rpc_error
 
 log = logging.getLogger(__name__)
@@ -44,17 +45,12 @@ _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.05, 1.0
 _KEEPALIVE = pb.SessionRequest(keepalive=pb.Keepalive())
 _SESSION_ERROR_PREFIX = "session:"
 
-_registry_lock = threading.Lock()
 
+class LossListener(Protocol):
+    """What the session tells when the daemon no longer has a lease it
+    tracked (:class:`hwr_client.lease.Lease` is one)."""
 
-def _reinit_after_fork() -> None:
-    # A lock copied into the child while another parent thread held it would
-    # stay locked forever; the child starts with a fresh one.
-    global _registry_lock
-    _registry_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reinit_after_fork)
+    def _mark_lost(self) -> None: ...
 
 
 def default_client_name() -> str:
@@ -87,7 +83,8 @@ class Session:
         self.runtime = pb_grpc.RuntimeStub(self.channel)
         self._cond = threading.Condition()
         self._session_id: str | None = None
-        self._held: dict[str, Callable[[], Any]] = {}  # lease id -> weakref to its Lease (or a stub)
+        # lease id -> weakref to its Lease (_none_ref until track() names it)
+        self._held: dict[str, Callable[[], LossListener | None]] = {}
         self._closed = False
         self._call: Any = None
         self._outbox: queue.Queue | None = None
@@ -149,7 +146,7 @@ class Session:
             self._cond.notify_all()
         for ref in lost:
             lease = ref()
-            if lease is not None and hasattr(lease, "_mark_lost"):
+            if lease is not None:
                 lease._mark_lost()
         if opened.lost_lease_ids:
             log.warning("session re-opened on %s: %d lease(s) lost (the daemon no longer had them): %s",
@@ -216,12 +213,6 @@ class Session:
                 raise Unavailable(f"daemon on {self.socket}: session not re-established within {timeout} s")
             return self._session_id
 
-    def _call_unary(self, method: Any, request: Any) -> Any:
-        try:
-            return method(request, timeout=60.0)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-
     def acquire(self, key: str) -> pb.AcquireLeaseReply:
         """AcquireLease on this session; the id is tracked for re-attach.
 
@@ -231,7 +222,7 @@ class Session:
         for attempt in range(3):
             sid = self.session_id()
             try:
-                reply = self._call_unary(self.runtime.AcquireLease, pb.AcquireLeaseRequest(session_id=sid, key=key))
+                reply = call_unary(self.runtime.AcquireLease, pb.AcquireLeaseRequest(session_id=sid, key=key))
             except (FailedPrecondition, Unavailable) as exc:
                 stale = isinstance(exc, Unavailable) or str(exc).startswith(_SESSION_ERROR_PREFIX)
                 if attempt == 2 or not stale:
@@ -253,7 +244,7 @@ class Session:
             self._cond.wait_for(lambda: self._closed or self._session_id not in (None, old_sid),
                                 timeout=self.connect_timeout_s)
 
-    def track(self, lease_id: str, lease: Any) -> None:
+    def track(self, lease_id: str, lease: LossListener) -> None:
         """Associates a Lease object with its id so a lost lease is flagged."""
         with self._cond:
             if lease_id in self._held:
@@ -269,17 +260,26 @@ class Session:
             sid = self._session_id
         if sid is None:
             return False
-        reply = self._call_unary(self.runtime.ReleaseLease, pb.ReleaseLeaseRequest(session_id=sid, lease_id=lease_id))
+        reply = call_unary(self.runtime.ReleaseLease, pb.ReleaseLeaseRequest(session_id=sid, lease_id=lease_id))
         return reply.released
 
     @property
     def held(self) -> list[str]:
+        """Ids of the leases this process holds on the session (re-attached
+        after a daemon restart)."""
         with self._cond:
             return list(self._held)
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` ran; a closed session is never reopened."""
         return self._closed
+
+    @property
+    def usable(self) -> bool:
+        """True while the session is open and belongs to this process; a
+        session inherited through fork is not (its stream is the parent's)."""
+        return not self._closed and self.pid == os.getpid()
 
     def close(self) -> None:
         """Ends the stream (the daemon releases every lease of this
@@ -301,20 +301,3 @@ class Session:
 
 def _none_ref() -> None:
     return None
-
-
-def get_session(client: Any) -> Session:
-    """The session of ``client`` for THIS process, opened on first use.
-
-    A session inherited through fork (another pid) is abandoned, never used
-    or closed: its stream belongs to the parent.
-    """
-    session = client._session
-    if session is not None and session.pid == os.getpid() and not session.closed:
-        return session
-    with _registry_lock:
-        session = client._session
-        if session is None or session.pid != os.getpid() or session.closed:
-            session = Session(client.socket)
-            client._session = session
-        return session

@@ -24,27 +24,14 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import hashlib
 import logging
 import os
-import stat
 from typing import Any, Mapping, Sequence, Union
 
-from hwr_client.core.errors import (
-    FailedPrecondition,
-    HwrError,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    Unavailable,
-)
-from hwr_client.core.digests import (
-    SourceDigest,
-    absolute_path,
-    content_id_of,
-    hash_file,
-)
+from hwr_client.channel import RuntimeChannel
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.digests import SourceDigest, absolute_path, content_id_of, hash_file
+from hwr_client.core.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from hwr_client.core.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -78,16 +65,15 @@ def hash_locally(paths: Sequence[str], *, threads: int | None = None) -> list[So
     return [SourceDigest(p, content_id_of(h), n, False, "local") for p, (h, n) in zip(paths, results)]
 
 
-def _ask_daemon(client: Any, paths: Sequence[str]) -> list[SourceDigest]:
-    from hwr_client.core._proto import hwr_pb2 as pb
-
+def _ask_daemon(client: RuntimeChannel, paths: Sequence[str]) -> list[SourceDigest]:
     # No deadline: a cold 100 GB checkpoint takes minutes to hash, and the
     # call is safe to wait on (the daemon hashes each file once for everyone).
     reply = client.call(client.runtime.ResolveSources, pb.ResolveSourcesRequest(paths=list(paths)), timeout=None)
     return [SourceDigest(p, s.content_id, s.size, s.cached, s.origin) for p, s in zip(paths, reply.sources)]
 
 
-def resolve_sources(client: Any, paths: Sequence[str | os.PathLike[str]], *, threads: int | None = None) -> list[SourceDigest]:
+def resolve_sources(client: RuntimeChannel | None, paths: Sequence[str | os.PathLike[str]], *,
+                    threads: int | None = None) -> list[SourceDigest]:
     """Content ids of canonical files, from the daemon's cache when it can.
 
     Paths outside the daemon's source roots (PERMISSION_DENIED) and every
@@ -95,7 +81,9 @@ def resolve_sources(client: Any, paths: Sequence[str | os.PathLike[str]], *, thr
     are hashed locally: same content id, no cache.
 
     Args:
-        client: a :class:`hwr_client.Client`, or None for local hashing only.
+        client: a :class:`hwr_client.Client` (any
+            :class:`~hwr_client.channel.RuntimeChannel`), or None for local
+            hashing only.
         paths: files (made absolute against this process's cwd).
         threads: local hashing threads; default CPU count.
 
@@ -208,7 +196,7 @@ def build_identity(
     representation: Mapping[str, Any],
     producer: Mapping[str, Any],
     extra: Mapping[str, Any] | None = None,
-    client: Any = None,
+    client: RuntimeChannel | None = None,
 ) -> Identity:
     """Builds the identity of an artifact produced from a real checkpoint.
 
@@ -225,7 +213,7 @@ def build_identity(
         producer: ``{"id", "version"}``.
         extra: any other byte-relevant canonical JSON; default ``{}``.
         client: a :class:`hwr_client.Client`; None connects to the default
-            socket (and hashes locally if no daemon answers).
+            socket for this call (and hashes locally if no daemon answers).
 
     Returns:
         The validated :class:`Identity`; its key is ``identity.key``.
@@ -242,16 +230,14 @@ def build_identity(
         ...     representation={"dtype": "bfloat16"}, producer={"id": "demo", "version": "1"})
     """
     pairs = canonical_sources(sources)
-    own = client is None
-    if own:
-        from hwr_client.client import connect
-
-        client = connect()
-    try:
-        digests = resolve_sources(client, [p for _, p in pairs])
-    finally:
-        if own:
-            client.close()
+    paths = [p for _, p in pairs]
+    if client is not None:
+        digests = resolve_sources(client, paths)
+    else:
+        # Only ResolveSources is called: the runtime channel is all of a
+        # client this needs (no session, no admin channel).
+        with RuntimeChannel() as channel:
+            digests = resolve_sources(channel, paths)
     doc = {
         "contract": dict(contract),
         "sources": [{"name": n, "content_id": d.content_id} for (n, _), d in zip(pairs, digests)],

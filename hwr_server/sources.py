@@ -41,7 +41,9 @@ import time
 from typing import Any, Sequence
 
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
-from hwr_client.core.digests import SourceDigest, content_id_of, hash_fd, open_regular, stat_source
+from hwr_client.core.digests import (
+    SourceDigest, content_id_of, hash_fd, normalize_path, open_regular, stat_source,
+)
 from hwr_server import db
 
 log = logging.getLogger(__name__)
@@ -180,12 +182,6 @@ def hub_blob_digest(path: str) -> tuple[str, int] | None:
     return blob_hex, st.st_size
 
 
-def _key_path(path: str) -> str:
-    """The record key of an absolute path: normalized where that cannot
-    change which file is named (no ".." components)."""
-    return path if ".." in path.split("/") else os.path.normpath(path)
-
-
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
@@ -293,7 +289,7 @@ class SourceCache:
         current state."""
         if not isinstance(path, str) or not os.path.isabs(path):
             raise InvalidArgument(f"source {path!r}: expected an absolute path")
-        norm = _key_path(path)
+        norm = normalize_path(path)
         if not self.roots:
             raise PermissionDenied(
                 f"source {path}: the daemon has no source roots; start it with --source-root DIR "
@@ -471,7 +467,7 @@ class SourceCache:
         """
         if not isinstance(path, str) or not os.path.isabs(path):
             raise InvalidArgument(f"source {path!r}: expected an absolute path")
-        rows = self._query("forget", f"DELETE FROM {TABLE} WHERE path = ? RETURNING path", (_key_path(path),))
+        rows = self._query("forget", f"DELETE FROM {TABLE} WHERE path = ? RETURNING path", (normalize_path(path),))
         if rows is None:
             raise Unavailable(f"source cache {db.path_of(self.root)}: cannot be written now; see the daemon log")
         return bool(rows)

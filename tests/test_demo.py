@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hwr_client.cli.demo import parse_size
+from hwr_client.core.defaults import parse_size
 from hwr_client.core.errors import InvalidArgument
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,7 +21,6 @@ import torch
 
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from hwr_client.session import get_session
 from tests.conftest import identity, sample_tensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +32,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLDER = textwrap.dedent("""
     import hashlib, json, sys
     import hwr_client
-    from hwr_client.session import get_session
     client = hwr_client.connect(sys.argv[1])
     leases = [client.acquire(k) for k in sys.argv[2:]]
     print("held", flush=True)
@@ -45,11 +43,11 @@ HOLDER = textwrap.dedent("""
                        __import__("torch").uint8).numpy().tobytes()).hexdigest() != t.sha256]
             print("ok" if not bad else "bad " + ",".join(bad), flush=True)
         elif cmd == "state":
-            s = get_session(client)
+            s = client.session()
             print(json.dumps({"lost": [l.lost for l in leases], "reconnects": s.reconnects,
                               "held": len(s.held)}), flush=True)
         elif cmd == "release":
-            s = get_session(client)
+            s = client.session()
             out = [s.release(l.lease_id) for l in leases]
             for l in leases:
                 l.close()
@@ -164,7 +162,7 @@ def test_double_release_garbage_and_foreign_ids(daemon):
     key, _ = publish(daemon)
     with daemon.client() as a, daemon.client() as b:
         lease = a.acquire(key)
-        sa, sb = get_session(a), get_session(b)
+        sa, sb = a.session(), b.session()
         sb.session_id()
         rel = lambda s, sid, lid: s.runtime.ReleaseLease(pb.ReleaseLeaseRequest(session_id=sid, lease_id=lid)).released
         # Foreign: b's session presents a's lease id; forged session ids.
@@ -327,16 +325,15 @@ def test_200_threads_acquire_release_30s(daemon):
 
 FORKER = textwrap.dedent("""
     import json, os, sys, torch, hwr_client
-    from hwr_client.session import get_session
     c = hwr_client.connect(sys.argv[1])
     parent = c.acquire(sys.argv[2])
-    parent_session = get_session(c)
+    parent_session = c.session()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: must not reuse the parent's session
         try:
             lease = c.acquire(sys.argv[2])
-            s = get_session(c)
+            s = c.session()
             out = {"new_session": s is not parent_session and s.pid == os.getpid(),
                    "same_bytes": torch.equal(lease.tensors()["embed.weight"], parent.tensors()["embed.weight"])}
         except BaseException as exc:

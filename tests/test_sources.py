@@ -22,7 +22,8 @@ from hwr_client.core.errors import (
     PermissionDenied,
     Unavailable,
 )
-from hwr_client.core.digests import hash_file
+from hwr_client.core import digests
+from hwr_client.core.digests import absolute_path, hash_file, normalize_path
 from hwr_server import db
 from hwr_server import sources as srcmod
 from hwr_server.config import ServerConfig
@@ -425,6 +426,21 @@ def test_outside_source_roots_is_refused(make_cache, src, tmp_path):
     with pytest.raises(PermissionDenied, match="outside every source root"):
         cache.resolve([str(src / "up" / ".." / "in.bin")])
     assert cache.hash_calls == 1 and inside
+
+
+def test_one_path_rule_for_daemon_and_client(make_cache, src):
+    # "." and "//" are dropped; a path with ".." is kept as given (collapsing
+    # it lexically would name another file after a symlink).
+    assert normalize_path("/m//a/./b.bin") == "/m/a/b.bin"
+    assert normalize_path("/m/link/../b.bin") == "/m/link/../b.bin"
+    assert absolute_path("/m/./x") == "/m/x" and absolute_path("/m/l/../x") == "/m/l/../x"
+    # The daemon keys its records with the same function the client uses.
+    assert srcmod.normalize_path is digests.normalize_path
+    assert not hasattr(srcmod, "_key_path")
+    path = write(src / "k.bin", b"k")
+    cache = make_cache()
+    cache.resolve([path])
+    assert cache.resolve([str(src) + "//./k.bin"])[0].origin == "cache"
 
 
 def test_no_source_roots_refuses_everything(make_cache, src):

@@ -35,6 +35,8 @@ EXIT_CODES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``hwr`` parser with every command module's subcommands; a module
+    whose package is not installed is left out."""
     parser = argparse.ArgumentParser(prog="hwr", description="Host Weight Runtime")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -50,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one ``hwr`` command; returns its exit code (see
+    :data:`EXIT_CODES`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

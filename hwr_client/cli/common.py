@@ -18,14 +18,17 @@ def add_socket_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
+    """``--json``: machine-readable output instead of a table."""
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
 def client_from(args: argparse.Namespace) -> Client:
+    """A client on the sockets of ``args`` (see :func:`add_socket_flags`)."""
     return Client(getattr(args, "socket", None), admin_socket=getattr(args, "admin_socket", None))
 
 
 def print_json(value: Any) -> None:
+    """``value`` as indented JSON on stdout, keys sorted (stable output)."""
     json.dump(value, sys.stdout, indent=2, sort_keys=True, default=str)
     sys.stdout.write("\n")
 

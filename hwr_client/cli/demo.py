@@ -23,23 +23,22 @@ warm on a fresh node.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
+from hwr_client.cli.pss import baseline_pss_kib
+from hwr_client.cli.workers import WorkerProcesses, daemon_for
 from hwr_client.core.defaults import human, parse_size
-from hwr_client.core.errors import InvalidArgument, NotFound
+from hwr_client.core.errors import NotFound
+
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``hwr demo`` and ``hwr prewarm`` to the subcommands."""
     demo = sub.add_parser("demo", help="run the end-to-end demo: cold start, publish, warm starts, parity",
                           description=__doc__.split("\n\n")[1])
     demo.add_argument("--size", default="1GiB", help="canonical (fp32) checkpoint size (default 1GiB; e.g. 64MiB)")
@@ -65,9 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_prewarm(args: argparse.Namespace) -> int:
     """Publishes the artifact of ``--checkpoint`` under ``--contract``."""
+    # The runtime imports torch: only this command pays for it, the parser
+    # (and `hwr serve`) stays light.
     from dlo_runtime.contracts import get_contract
 
     contract = get_contract(args.contract)
+    result: dict[str, Any]
     with client_from(args) as client:
         identity = contract.identity(args.checkpoint, args.layout, client=client)
         try:
@@ -93,128 +95,6 @@ def run_prewarm(args: argparse.Namespace) -> int:
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def _wait_serving(socket: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise InvalidArgument(f"demo daemon exited with {proc.returncode} before serving")
-        if os.path.exists(socket):
-            try:
-                with grpc.insecure_channel(f"unix:{socket}") as ch:
-                    reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-            except grpc.RpcError:
-                pass
-        time.sleep(0.05)
-    raise InvalidArgument(f"demo daemon on {socket}: not serving after {timeout:.0f}s")
-
-
-@contextlib.contextmanager
-def daemon_for(args: argparse.Namespace, workdir: str) -> Iterator[str]:
-    """Yields the runtime socket: the given one, or a daemon of our own that
-    is killed on exit (nothing is left running)."""
-    if args.socket:
-        yield args.socket
-        return
-    sockdir = tempfile.mkdtemp(prefix="hwr-demo-", dir="/tmp")  # socket paths must fit 108 bytes
-    sock, admin = os.path.join(sockdir, "hwr.sock"), os.path.join(sockdir, "admin.sock")
-    log_path = os.path.join(workdir, "daemon.log")
-    # The checkpoints live under workdir: as a source root, the daemon hashes
-    # each canonical file once and later workers get cached content ids.
-    cmd = [sys.executable, "-m", "hwr_client.cli", "serve", "--root", os.path.join(workdir, "root"),
-           "--socket", sock, "--admin-socket", admin, "--source-root", workdir]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_serving(sock, proc)
-        args.admin_socket = admin
-        yield sock
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(sockdir, ignore_errors=True)
-
-
-class WorkerProcesses:
-    """Worker processes that print one JSON line and hold until released."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def spawn(self, checkpoint: str, mode: str, socket: str | None, *, device: str, offload: bool = True,
-              forward: bool = True, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "dlo_runtime.worker", "--contract", "tiny-dit", "--checkpoint", checkpoint,
-               "--mode", mode, "--device", device, "--hold", *extra]
-        if forward:
-            cmd.append("--forward")
-        if socket:
-            cmd += ["--socket", socket]
-        if not offload:
-            cmd.append("--no-offload")
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        proc.t0 = time.perf_counter()  # type: ignore[attr-defined]
-        self.procs.append(proc)
-        return proc
-
-    @staticmethod
-    def result(proc: subprocess.Popen) -> dict[str, Any]:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if not line:
-            proc.wait()
-            raise InvalidArgument(f"worker pid {proc.pid} exited with {proc.returncode} before reporting; see its stderr above")
-        out = json.loads(line)
-        out["wall_s"] = round(time.perf_counter() - proc.t0, 3)  # type: ignore[attr-defined]
-        return out
-
-    def group(self, checkpoint: str, mode: str, socket: str | None, n: int, *,
-              measure: Callable[[int], dict[str, Any]] | None = None, **kw: Any) -> list[dict[str, Any]]:
-        """Starts ``n`` workers at once; returns their results with PSS (and
-        ``measure(pid)``, if given) read while all of them are still alive;
-        then releases them."""
-        from dlo_runtime.worker import pss_breakdown, pss_kib
-
-        procs = [self.spawn(checkpoint, mode, socket, **kw) for _ in range(n)]
-        results = [self.result(p) for p in procs]
-        for r, p in zip(results, procs):
-            r["pss_kib"] = pss_kib(p.pid)
-            r.update(pss_breakdown(p.pid))
-            if measure is not None:
-                r.update(measure(p.pid))
-        for p in procs:
-            self.release(p)
-        return results
-
-    def release(self, proc: subprocess.Popen) -> None:
-        if proc.stdin:
-            proc.stdin.close()  # the worker exits when its stdin closes
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    def kill_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def _baseline_pss() -> int:
-    """PSS (KiB) of a process that imported the worker stack but holds no model."""
-    code = "import dlo_runtime.worker as w, torch; print(w.pss_kib())"
-    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
 def _row(path: str, results: list[dict[str, Any]], reference: str) -> dict[str, Any]:
@@ -278,6 +158,7 @@ def _print(rows: dict[str, dict[str, Any]], baseline_kib: int, size: int) -> Non
 
 def run_demo(args: argparse.Namespace) -> int:
     """Runs the demo; returns 0 when every check passes, else 1."""
+    # torch, as in run_prewarm: imported by the command, not the parser.
     from dlo_runtime.models.tiny_dit import TinyDiTConfig, write_checkpoint
 
     size = parse_size(args.size)
@@ -302,7 +183,7 @@ def run_demo(args: argparse.Namespace) -> int:
             _say(f"[5/6] {args.workers} warm workers at once")
             many = workers.group(ckpt, "preferred", socket, args.workers, device=args.device)
         _say("[6/6] baseline PSS of an idle worker process")
-        baseline = _baseline_pss()
+        baseline = baseline_pss_kib()
     finally:
         workers.kill_all()
         if own_workdir:

@@ -10,6 +10,7 @@ from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``hwr leases``."""
     p = sub.add_parser("leases", help="list active leases (holder pid, key, age)",
                        description="List the daemon's leases: holder pid and name, artifact key, age, state "
                                    "('attached', or 'awaiting-reattach' during the grace period after a restart).")

@@ -16,7 +16,6 @@ import datetime
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
 from hwr_client.core.digests import absolute_path
-from hwr_client.sources import resolve_sources
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    """Prints the daemon's source-digest records. Read-only: works on the
+    runtime socket."""
     with client_from(args) as client:
         reply = client.call(client.reader.ListSources, pb.ListSourcesRequest())
     records = [
@@ -60,9 +61,11 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
+    """Prints the content id of each PATH (the daemon's cache, else hashed
+    here)."""
     paths = [absolute_path(p) for p in args.paths]
     with client_from(args) as client:
-        digests = resolve_sources(client, paths)
+        digests = client.resolve_sources(paths)
     if args.json:
         print_json([d.to_dict() for d in digests])
         return 0
@@ -72,6 +75,8 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
+    """Drops the daemon's record of PATH (admin socket); the next resolve
+    hashes it again."""
     path = absolute_path(args.path)
     with client_from(args) as client:
         reply = client.call(client.admin.ForgetSource, pb.ForgetSourceRequest(path=path))

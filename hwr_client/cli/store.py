@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import time
+import warnings
 from typing import Any
 
 from hwr_client.core._proto import hwr_pb2 as pb
@@ -29,8 +30,6 @@ def _import(args: argparse.Namespace) -> int:
 
     tensors = {}
     origin: dict[str, str] = {}
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only mmap: torch cannot enforce it, PROT_READ does
         for path in args.files:

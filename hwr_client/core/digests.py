@@ -37,6 +37,7 @@ class SourceDigest:
     origin: str
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (the CLI's ``--json`` output)."""
         return dataclasses.asdict(self)
 
 
@@ -185,15 +186,29 @@ def hash_file(path: str) -> tuple[str, int]:
     return digest, nbytes
 
 
+def normalize_path(path: str) -> str:
+    """``path`` with ``.`` components and repeated slashes dropped, unless
+    it has a ``..`` component: then it is returned as given, because
+    collapsing ``..`` lexically (as ``os.path.normpath`` does) names another
+    file when the component before it is a symlink.
+
+    The one rule for the daemon's cache keys and the client's request
+    paths, so both sides name a file the same way.
+
+    Example:
+        >>> normalize_path("/models//a/./b.bin"), normalize_path("/models/link/../b.bin")
+        ('/models/a/b.bin', '/models/link/../b.bin')
+    """
+    return path if ".." in path.split("/") else os.path.normpath(path)
+
+
 def absolute_path(path: str | os.PathLike[str]) -> str:
-    """``path`` made absolute against the cwd; ``.`` and repeated slashes
-    are dropped, but ``..`` is kept when present: collapsing it lexically
-    (as ``os.path.abspath`` does) names another file when the component
-    before it is a symlink."""
+    """``path`` made absolute against the cwd, then :func:`normalize_path`
+    (``..`` kept)."""
     text = os.fspath(path)
     if not os.path.isabs(text):
         text = os.path.join(os.getcwd(), text)
-    return text if ".." in text.split("/") else os.path.normpath(text)
+    return normalize_path(text)
 
 
 def content_id_of(hex_digest: str) -> str:
