@@ -16,6 +16,7 @@ changes what is visible; one lock (``_lock``) serializes those changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -24,7 +25,7 @@ import shutil
 import threading
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Iterator
 
 from hwr_client.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.core.identity import check_key
@@ -129,7 +130,8 @@ class Store:
         for d in (self.blobs_dir, self.artifacts_dir, self.staging_dir, self.quarantine_dir):
             os.makedirs(d, mode=0o755, exist_ok=True)
         #: callable(nbytes) run at publication plan; raises ResourceExhausted.
-        #: The GC replaces it with one that collects first.
+        #: The daemon's wiring sets it once, before recovery, to the
+        #: collector's hook (which collects first, then calls this default).
         self.capacity_hook: Callable[[int], None] = self.default_capacity_hook
         self._lock = threading.RLock()
         self._index: dict[str, Manifest] = {}
@@ -273,6 +275,15 @@ class Store:
             + sum(e.bytes for e in self.staging_entries())
             + sum(e.bytes for e in self.quarantine_entries())
         )
+
+    @contextlib.contextmanager
+    def delete_guard(self) -> Iterator[None]:
+        """Holds the store's lock around a caller's "is it pinned?" check and
+        its :meth:`delete`, so no lease grant can read the artifact
+        (:meth:`get` takes the same lock) in between. Re-entrant:
+        :meth:`delete` takes the lock again inside."""
+        with self._lock:
+            yield
 
     # -- capacity -------------------------------------------------------------
 
