@@ -37,7 +37,7 @@ from hwr_server.hashing import tune_allocator
 from hwr_server.interfaces import Lifecycle
 from hwr_server.leases import LeaseManager
 from hwr_server.lock import InstanceLock
-from hwr_server.metrics import Metrics
+from hwr_server.metrics import Metrics, StoreStats
 from hwr_server.scrub import Scrubber
 from hwr_server.sdnotify import Notifier
 from hwr_server.sources import SourceCache
@@ -141,7 +141,7 @@ class Daemon:
         store.capacity_hook = gc.capacity_hook
         scrub = self._built("scrub", Scrubber(cfg, store, leases))
         metrics = self._built("metrics", Metrics(
-            cfg, [("store", store), ("leases", leases), ("sources", sources), ("gc", gc), ("scrub", scrub),
+            cfg, [("store", StoreStats(store.figures)), ("leases", leases), ("sources", sources), ("gc", gc), ("scrub", scrub),
                   ("daemon", self)], started_unix=self.started_unix))
         return Components(store, leases, sources, gc, scrub, metrics)
 

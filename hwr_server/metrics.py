@@ -29,7 +29,7 @@ import os
 import re
 import threading
 import time
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -39,6 +39,9 @@ from prometheus_client.exposition import start_http_server
 from hwr_client.core.errors import InvalidArgument
 from hwr_server.config import ServerConfig
 from hwr_server.interfaces import StatsSource
+
+if TYPE_CHECKING:
+    from hwr_server.store import StoreFigures
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +114,38 @@ def families(stats: Mapping[str, float]) -> list[Metric]:
             fam = out[base] = Metric(base, HELP.get(base, f"HWR figure {base}."), "counter" if counter else "gauge")
         fam.add_sample(name, labels, value)
     return [out[k] for k in sorted(out)]
+
+
+def store_stats(f: StoreFigures) -> dict[str, float]:
+    """The store's figures under their GetStats / Prometheus names."""
+    out = {f'hwr_publications_total{{outcome="{o}"}}': float(n) for o, n in f.publications.items()}
+    out.update({
+        "hwr_publication_bytes_total": float(f.publication_bytes),
+        "hwr_publication_seconds_total": float(f.publication_seconds),
+        "hwr_verify_failures_total": float(f.verify_failures),
+        'hwr_artifacts{state="published"}': float(f.artifacts_published),
+        'hwr_artifacts{state="quarantined"}': float(f.artifacts_quarantined),
+        'hwr_store_bytes{state="published"}': float(f.bytes_published),
+        'hwr_store_bytes{state="quarantined"}': float(f.bytes_quarantined),
+        'hwr_store_bytes{state="staging"}': float(f.bytes_staging),
+    })
+    return out
+
+
+class StoreStats:
+    """The store as a :class:`~hwr_server.interfaces.StatsSource`: the store
+    counts (``Store.figures``), this module names.
+
+    Args:
+        figures: the store's ``figures`` method.
+    """
+
+    def __init__(self, figures: Callable[[], StoreFigures]):
+        self._figures = figures
+
+    def stats(self) -> dict[str, float]:
+        """The store's figures now, by :func:`store_stats`."""
+        return store_stats(self._figures())
 
 
 def merge_stats(sources: Iterable[tuple[str, StatsSource]]) -> dict[str, float]:

@@ -73,6 +73,28 @@ class VerifyResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class StoreFigures:
+    """What the store counts and holds; :func:`hwr_server.metrics.store_stats`
+    gives them their GetStats / Prometheus names."""
+
+    #: Publication outcome (committed, already_published, conflict,
+    #: rejected, failed) -> count since start.
+    publications: dict[str, int]
+    #: Payload bytes received by publications (counted at their end).
+    publication_bytes: int
+    #: Seconds spent in publications.
+    publication_seconds: float
+    #: Deep verifications that found corruption.
+    verify_failures: int
+    artifacts_published: int
+    artifacts_quarantined: int
+    #: Unique payload bytes of published artifacts (a shared blob once).
+    bytes_published: int
+    bytes_quarantined: int
+    bytes_staging: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DirEntry:
     """A staging or quarantine directory and the bytes it holds."""
 
@@ -140,13 +162,10 @@ class Store:
         self._pending_blobs: dict[str, set[str]] = {}  # key -> blobs installed, manifest not yet visible
         self._bad_blobs: set[str] = set()  # blobs a verification found corrupt
         self.publication_slots = threading.BoundedSemaphore(max(1, config.max_publications))
-        self._counters: dict[str, float] = {
-            f'hwr_publications_total{{outcome="{o}"}}': 0.0
-            for o in ("committed", "already_published", "conflict", "rejected", "failed")
-        }
-        self._counters.update(
-            {"hwr_publication_bytes_total": 0.0, "hwr_publication_seconds_total": 0.0, "hwr_verify_failures_total": 0.0}
-        )
+        self._outcomes = dict.fromkeys(("committed", "already_published", "conflict", "rejected", "failed"), 0)
+        self._publication_bytes = 0
+        self._publication_seconds = 0.0
+        self._verify_failures = 0
         self.last_recovery = None
         #: Test seam: callable(step) run at each commit step of a publication.
         self.failpoint: Callable[[str], None] | None = None
@@ -410,10 +429,11 @@ class Store:
             self._quarantined = {k: v for k, v in self._quarantined.items() if v.entry != name}
 
     def count(self, outcome: str, *, nbytes: int = 0, seconds: float = 0.0) -> None:
+        """Counts one publication's end (``outcome`` as in :class:`StoreFigures`)."""
         with self._lock:
-            self._counters[f'hwr_publications_total{{outcome="{outcome}"}}'] += 1
-            self._counters["hwr_publication_bytes_total"] += nbytes
-            self._counters["hwr_publication_seconds_total"] += seconds
+            self._outcomes[outcome] += 1
+            self._publication_bytes += nbytes
+            self._publication_seconds += seconds
 
     # -- verify, quarantine, delete -------------------------------------------
 
@@ -430,7 +450,7 @@ class Store:
         with self._lock:
             self._bad_blobs.update(bad)
             if problems:
-                self._counters["hwr_verify_failures_total"] += 1
+                self._verify_failures += 1
         return VerifyResult(key, not problems, tuple(problems), checked, tuple(bad))
 
     def _threads(self) -> int:
@@ -543,18 +563,19 @@ class Store:
 
     # -- stats ----------------------------------------------------------------
 
-    def stats(self) -> dict[str, float]:
-        """Figures for GetStats / Prometheus (names in the team brief)."""
+    def figures(self) -> StoreFigures:
+        """Counters and sizes now (named for GetStats by hwr_server.metrics)."""
+        quarantined_bytes = sum(e.bytes for e in self.quarantine_entries())
+        staging_bytes = sum(e.bytes for e in self.staging_entries())
         with self._lock:
-            # Unique blob bytes: identical files are stored once.
-            published = sum({f.blob: f.size for m in self._index.values() for f in m.files}.values())
-            out = dict(self._counters)
-            out['hwr_artifacts{state="published"}'] = float(len(self._index))
-            out['hwr_artifacts{state="quarantined"}'] = float(len(self._quarantined))
-        out['hwr_store_bytes{state="published"}'] = float(published)
-        out['hwr_store_bytes{state="quarantined"}'] = float(sum(e.bytes for e in self.quarantine_entries()))
-        out['hwr_store_bytes{state="staging"}'] = float(sum(e.bytes for e in self.staging_entries()))
-        return out
+            return StoreFigures(
+                publications=dict(self._outcomes), publication_bytes=self._publication_bytes,
+                publication_seconds=self._publication_seconds, verify_failures=self._verify_failures,
+                artifacts_published=len(self._index), artifacts_quarantined=len(self._quarantined),
+                # Unique blob bytes: identical files are stored once.
+                bytes_published=sum({f.blob: f.size for m in self._index.values() for f in m.files}.values()),
+                bytes_quarantined=quarantined_bytes, bytes_staging=staging_bytes,
+            )
 
 
 def _check_entry(name: str) -> None:
@@ -562,4 +583,4 @@ def _check_entry(name: str) -> None:
         raise InvalidArgument(f"store entry {name!r}: expected a plain directory name")
 
 
-__all__ = ["ArtifactSummary", "DirEntry", "Store", "VerifyResult", "dir_bytes", "fsync_dir", "summary_of"]
+__all__ = ["ArtifactSummary", "DirEntry", "Store", "StoreFigures", "VerifyResult", "dir_bytes", "fsync_dir", "summary_of"]
