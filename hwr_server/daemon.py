@@ -34,7 +34,7 @@ from hwr_server import servicer
 from hwr_server.config import ServerConfig
 from hwr_server.gc import Collector
 from hwr_server.hashing import tune_allocator
-from hwr_server.interfaces import Lifecycle
+from hwr_server.interfaces import Lifecycle, StatsSource
 from hwr_server.leases import LeaseManager
 from hwr_server.lock import InstanceLock
 from hwr_server.metrics import Metrics, StoreStats
@@ -140,9 +140,9 @@ class Daemon:
         # or any publication can call it.
         store.capacity_hook = gc.capacity_hook
         scrub = self._built("scrub", Scrubber(cfg, store, leases))
-        metrics = self._built("metrics", Metrics(
-            cfg, [("store", StoreStats(store.figures)), ("leases", leases), ("sources", sources), ("gc", gc), ("scrub", scrub),
-                  ("daemon", self)], started_unix=self.started_unix))
+        figures: list[tuple[str, StatsSource]] = [("store", StoreStats(store.figures)), ("leases", leases), ("sources", sources), ("gc", gc),
+                   ("scrub", scrub), ("daemon", self)]
+        metrics = self._built("metrics", Metrics(cfg, figures, started_unix=self.started_unix))
         return Components(store, leases, sources, gc, scrub, metrics)
 
     def _built(self, name: str, component: _C) -> _C:
