@@ -24,6 +24,7 @@ from typing import Any
 from hwr_client.core.defaults import default_paths, parse_size
 from hwr_client.core.errors import InvalidArgument
 
+
 @dataclasses.dataclass
 class ServerConfig:
     """Everything ``hwr serve`` can be told."""
@@ -82,6 +83,12 @@ class ServerConfig:
         )
 
     def validate(self) -> "ServerConfig":
+        """Returns self when the fields agree with each other.
+
+        Raises:
+            InvalidArgument: watermarks out of order, a keepalive timeout
+                under two intervals, or a relative source root.
+        """
         if not (0 < self.gc_low_watermark < self.gc_high_watermark <= 1.0):
             raise InvalidArgument(
                 f"config: expected 0 < gc_low_watermark ({self.gc_low_watermark}) < gc_high_watermark "
@@ -109,11 +116,14 @@ class ServerConfig:
         if unknown:
             raise InvalidArgument(f"{what}: unknown key(s) {sorted(unknown)}; expected some of {sorted(fields)}")
         values: dict[str, Any] = {}
+        defaults = cls()
         for k, v in doc.items():
             if k == "capacity" or k.endswith("_bytes") or k.endswith("_bytes_per_s"):
                 values[k] = parse_size(v)
                 continue
-            default = getattr(cls(), k)
+            # k is one of our own field names (checked above): the default's
+            # type is what the value must have.
+            default = getattr(defaults, k)
             if isinstance(default, bool) or type(default) is int:
                 ok = type(v) is int
             elif isinstance(default, float):
@@ -129,6 +139,11 @@ class ServerConfig:
 
     @classmethod
     def from_file(cls, path: str) -> "ServerConfig":
+        """Reads a TOML config file (see :meth:`from_mapping`).
+
+        Raises:
+            InvalidArgument: unreadable, not TOML, or a bad key or value.
+        """
         try:
             with open(path, "rb") as f:
                 doc = tomllib.load(f)

@@ -15,15 +15,15 @@ components in reverse order, release locks, exit 0.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import grp
-import importlib
 import logging
 import os
 import signal
 import socket as pysocket
 import threading
 import time
-from typing import Any
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,38 +32,49 @@ from hwr_client.core.defaults import MESSAGE_OPTIONS
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_server import servicer
 from hwr_server.config import ServerConfig
+from hwr_server.gc import Collector
 from hwr_server.hashing import tune_allocator
+from hwr_server.interfaces import Lifecycle, StatsSource
+from hwr_server.leases import LeaseManager
 from hwr_server.lock import InstanceLock
+from hwr_server.metrics import Metrics, StoreStats
+from hwr_server.scrub import Scrubber
+from hwr_server.sdnotify import Notifier
+from hwr_server.sources import SourceCache
+from hwr_server.store import Store
 
 log = logging.getLogger(__name__)
 
-#: (attribute, module, class, constructor args by attribute name), in
-#: construction order; stop() runs in reverse.
-COMPONENTS = (
-    ("store", "hwr_server.store", "Store", ("config",)),
-    ("leases", "hwr_server.leases", "LeaseManager", ("config", "store")),
-    ("sources", "hwr_server.sources", "SourceCache", ("config",)),
-    ("gc", "hwr_server.gc", "Collector", ("config", "store", "leases")),
-    ("scrub", "hwr_server.scrub", "Scrubber", ("config", "store", "leases")),
-    ("metrics", "hwr_server.metrics", "Metrics", ("daemon",)),
-)
 _SERVICES = ("", "hwr.v1.Runtime", "hwr.v1.Admin")
+_C = TypeVar("_C", bound=Lifecycle)
 
 
-def _optional_module(name: str) -> Any:
-    """The module, or None while it does not exist yet (other import
-    errors propagate: a broken component must not be silently skipped)."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        return None
+@dataclasses.dataclass(frozen=True)
+class Components:
+    """The daemon's components, as the rpc handlers reach them.
+
+    Built by :meth:`Daemon.start` once the locks are held and before any
+    socket binds, so a handler never sees a missing one.
+    """
+
+    store: Store
+    leases: LeaseManager
+    sources: SourceCache
+    gc: Collector
+    scrub: Scrubber
+    metrics: Metrics
 
 
 class Daemon:
-    """One running ``hwr serve``. Components are attributes (None when their
-    module is absent); handlers receive this object."""
+    """One running ``hwr serve``.
+
+    Args:
+        config: the daemon's configuration; empty paths are filled from the
+            defaults and the whole is validated here.
+
+    Raises:
+        InvalidArgument: the configuration is inconsistent.
+    """
 
     def __init__(self, config: ServerConfig):
         self.config = config.resolved().validate()
@@ -71,13 +82,17 @@ class Daemon:
         self.ready = False
         self.started_unix = time.time()
         self.recovery_seconds = 0.0
-        self.store = self.leases = self.sources = self.gc = self.scrub = self.metrics = None
+        #: Set by start() step 2; None until then (and after a failed build).
+        self.components: Components | None = None
+        #: Components with background work, in start order, as they are
+        #: built: shutdown stops exactly these, even after a partial start.
+        self._lifecycle: list[tuple[str, Lifecycle]] = []
         self._locks: list[InstanceLock] = []
         self._servers: list[grpc.Server] = []
         self._bound: list[str] = []
         self._health: list[health.HealthServicer] = []
         self._stop = threading.Event()
-        self._notifier: Any = None
+        self._notifier: Notifier | None = None
 
     # -- start ---------------------------------------------------------------
 
@@ -91,45 +106,51 @@ class Daemon:
         for path in (cfg.socket, cfg.admin_socket):
             os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
             self._locks.append(InstanceLock(path + ".lock", f"socket {path}").acquire())
-        # 2. Components.
-        self._build_components()
-        sdnotify = _optional_module("hwr_server.sdnotify")
-        if sdnotify is not None:
-            self._notifier = sdnotify.Notifier.from_environ(environ if environ is not None else {})
+        # 2. Components, after the locks: the store and the lease database
+        #    are touched only by the daemon that holds the root.
+        components = self.components = self._build_components()
+        self._notifier = Notifier.from_environ(environ if environ is not None else {})
         # 3. Bind; rpcs answer UNAVAILABLE and health NOT_SERVING until ready.
-        self._bind(cfg.socket, admin=False, mode=0o660, group=cfg.socket_group)
-        self._bind(cfg.admin_socket, admin=True, mode=0o600, group="")
+        self._bind(cfg.socket, components, admin=False, mode=0o660, group=cfg.socket_group)
+        self._bind(cfg.admin_socket, components, admin=True, mode=0o600, group="")
         # 4. Recovery: the index must reflect the disk before any call is served.
         t0 = time.monotonic()
-        if self.store is not None:
-            report = self.store.recover()
-            log.info("recovery: %s", report)
-        for name in self._component_names():
-            comp = getattr(self, name)
-            if hasattr(comp, "start"):
-                comp.start()
+        report = components.store.recover()
+        log.info("recovery: %s", report)
+        for _name, comp in self._lifecycle:
+            comp.start()
         self.recovery_seconds = time.monotonic() - t0
         # 5. Ready.
         self.ready = True
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        if self._notifier is not None:
-            self._notifier.ready()
+        self._notifier.ready()
         log.info("serving %s on %s (admin %s) after %.3f s recovery", cfg.root, cfg.socket, cfg.admin_socket,
                  self.recovery_seconds)
 
-    def _component_names(self) -> list[str]:
-        return [attr for attr, *_ in COMPONENTS if getattr(self, attr) is not None]
+    def _build_components(self) -> Components:
+        """Builds every component and hands each the narrow interface it
+        uses (hwr_server.interfaces); the one place they are wired."""
+        cfg = self.config
+        store = Store(cfg)
+        leases = self._built("leases", LeaseManager(cfg, store))
+        sources = self._built("sources", SourceCache(cfg))
+        gc = self._built("gc", Collector(cfg, store, leases, fallback_hook=store.default_capacity_hook))
+        # The store exists before the collector that keeps it within
+        # capacity; it gets the collector's hook here, once, before recovery
+        # or any publication can call it.
+        store.capacity_hook = gc.capacity_hook
+        scrub = self._built("scrub", Scrubber(cfg, store, leases))
+        figures: list[tuple[str, StatsSource]] = [("store", StoreStats(store.figures)), ("leases", leases), ("sources", sources), ("gc", gc),
+                   ("scrub", scrub), ("daemon", self)]
+        metrics = self._built("metrics", Metrics(cfg, figures, started_unix=self.started_unix))
+        return Components(store, leases, sources, gc, scrub, metrics)
 
-    def _build_components(self) -> None:
-        for attr, module_name, cls_name, arg_names in COMPONENTS:
-            module = _optional_module(module_name)
-            if module is None:
-                log.debug("component %s: module %s not present", attr, module_name)
-                continue
-            args = [self if a == "daemon" else getattr(self, a, None) for a in arg_names]
-            setattr(self, attr, getattr(module, cls_name)(*args))
+    def _built(self, name: str, component: _C) -> _C:
+        """Records a component with background work for start() and shutdown()."""
+        self._lifecycle.append((name, component))
+        return component
 
-    def _bind(self, path: str, *, admin: bool, mode: int, group: str) -> None:
+    def _bind(self, path: str, components: Components, *, admin: bool, mode: int, group: str) -> None:
         _refuse_live_socket(path)
         server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=self.config.grpc_threads,
@@ -138,7 +159,7 @@ class Daemon:
                      # One listener per path; never share a live path.
                      ("grpc.so_reuseport", 0)],
         )
-        servicer.add_to_server(server, self, admin=admin)
+        servicer.add_to_server(server, components, ready=lambda: self.ready, admin=admin)
         hs = health.HealthServicer()
         # grpc's HealthServicer answers SERVING for "" until told otherwise;
         # say NOT_SERVING before the first connection can be accepted, or a
@@ -174,9 +195,11 @@ class Daemon:
     # -- run / stop ------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        return {"hwr_recovery_seconds": self.recovery_seconds, "hwr_uptime_seconds": time.time() - self.started_unix}
+        """The daemon's own figure; uptime is the metrics component's."""
+        return {"hwr_recovery_seconds": self.recovery_seconds}
 
     def request_stop(self) -> None:
+        """Asks wait() to return (safe from a signal handler: one Event.set)."""
         self._stop.set()
 
     def wait(self) -> None:
@@ -191,29 +214,25 @@ class Daemon:
         if self._notifier is not None:
             self._notifier.stopping()
         # Long-lived session streams would otherwise hold the grace period
-        # open; components that own such streams end them here.
-        for name in self._component_names():
-            comp = getattr(self, name)
-            if hasattr(comp, "begin_shutdown"):
-                comp.begin_shutdown()
+        # open; the lease manager owns them and ends them here.
+        if self.components is not None:
+            self.components.leases.begin_shutdown()
         # Stop accepting; in-flight calls get the grace period to finish.
         events = [s.stop(self.config.shutdown_grace_s) for s in self._servers]
         for e in events:
             e.wait()
-        for name in reversed(self._component_names()):
-            comp = getattr(self, name)
-            if hasattr(comp, "stop"):
-                try:
-                    comp.stop()
-                except Exception:  # noqa: BLE001 - keep shutting the others down
-                    log.exception("component %s failed to stop", name)
+        for name, comp in reversed(self._lifecycle):
+            try:
+                comp.stop()
+            except Exception:  # noqa: BLE001 - keep shutting the others down
+                log.exception("component %s failed to stop", name)
         # Only the paths WE bound: a daemon that failed its lock must never
         # remove the socket of the daemon that holds it.
         for path in self._bound:
             _unlink_quietly(path)
         for lock in reversed(self._locks):
             lock.release()
-        if self._notifier is not None and hasattr(self._notifier, "close"):
+        if self._notifier is not None:
             self._notifier.close()
         if self._bound:
             log.info("stopped")

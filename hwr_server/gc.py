@@ -1,245 +1,38 @@
-"""Garbage collection: a pure reachability function, a plan, and its execution.
+"""Garbage collection, the daemon side: the snapshot, the execution of a
+plan, and the :class:`Collector` component (capacity watermarks, the
+background thread, the publication capacity hook and the figures).
 
-Shaped like containerd's ``pkg/gc``: :func:`reachable` is a pure graph walk;
-:func:`plan` turns a :class:`Snapshot` of the store into a :class:`GcPlan`
-(what would go, in execution order, and the bytes freed: the dry run);
-:func:`execute` carries a plan out in a fixed order and only ever unlinks.
+The pure part (records, :func:`~hwr_server.gc_plan.reachable`,
+:func:`~hwr_server.gc_plan.plan`) is :mod:`hwr_server.gc_plan`. Here
+:func:`execute` carries a plan out in a fixed order and only ever unlinks; it
+checks the pin again right before each delete because a lease may have
+arrived since planning. Files are unlinked, never truncated or rewritten, so
+a process that still maps a deleted payload keeps reading valid bytes; those
+bytes stay on disk until it unmaps, which is why usage counts "deleted but
+still mapped".
 
-What goes, in this order, until usage is at or below the target:
-
-1. staging leftovers that no publication is writing (never visible);
-2. quarantined artifacts (never served);
-3. unleased published artifacts, least recently leased first (then oldest
-   first); a payload blob goes only when no remaining artifact references it.
-
-Pinned artifacts (an active lease, or a persisted lease still inside the
-post-restart grace period) are never candidates, and :func:`execute` checks
-the pin again right before each delete because a lease may have arrived since
-planning. Files are unlinked, never truncated or rewritten, so a process that
-still maps a deleted payload keeps reading valid bytes; those bytes stay on
-disk until it unmaps, which is why usage counts "deleted but still mapped".
-
-:class:`Collector` is the daemon component: capacity watermarks, the
-background thread, the publication capacity hook and the figures.
+The Collector reaches the store and the lease manager only through
+:class:`~hwr_server.interfaces.GcStore` and
+:class:`~hwr_server.interfaces.GcLeases`; the daemon wires them.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import functools
 import logging
 import os
 import threading
 import time
-from typing import Callable, Hashable, Iterable, Mapping
+from typing import Callable, ContextManager, Iterable
 
 from hwr_client.core.errors import FailedPrecondition, Internal, NotFound, ResourceExhausted
+from hwr_server.config import ServerConfig
+from hwr_server.gc_plan import ArtifactRecord, DirRecord, GcItem, GcPlan, GcResult, Snapshot, plan
+from hwr_server.interfaces import CapacityHook, DirInfo, GcLeases, GcStore
 
 log = logging.getLogger(__name__)
 
-
-# -- records -------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ArtifactRecord:
-    """One published artifact as GC sees it."""
-
-    key: str
-    #: (blob sha256 hex, size in bytes) of each payload file.
-    blobs: tuple[tuple[str, int], ...]
-    #: Unix seconds of the last lease, 0 if never leased.
-    last_leased: int = 0
-    #: Unix seconds of publication.
-    created: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class DirRecord:
-    """A staging or quarantine directory: its name and bytes on disk."""
-
-    name: str
-    bytes: int
-    #: Staging only: a publication is still writing it (never collected).
-    in_flight: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """What the store holds at one moment; the only input of :func:`plan`."""
-
-    artifacts: tuple[ArtifactRecord, ...] = ()
-    staging: tuple[DirRecord, ...] = ()
-    quarantine: tuple[DirRecord, ...] = ()
-    #: Payload bytes already unlinked but still mapped by a lease holder.
-    deleted_mapped_bytes: int = 0
-    #: Unix seconds the snapshot was taken (for "last leased N s ago").
-    taken_unix: float = 0.0
-
-    @functools.cached_property
-    def blob_sizes(self) -> dict[str, int]:
-        """blob -> size, each blob once (computed once per snapshot)."""
-        return {b: size for a in self.artifacts for b, size in a.blobs}
-
-    @functools.cached_property
-    def usage(self) -> int:
-        """Accounted bytes: each blob once, staging, quarantine, deleted-mapped."""
-        return (sum(self.blob_sizes.values()) + sum(d.bytes for d in self.staging)
-                + sum(d.bytes for d in self.quarantine) + self.deleted_mapped_bytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class GcItem:
-    """One thing a plan removes."""
-
-    #: "staging", "quarantine", "artifact" or "blob".
-    kind: str
-    #: Directory name, identity key or blob sha256 hex.
-    name: str
-    #: Bytes this item frees (an artifact's bytes are listed on its blobs).
-    bytes: int
-    #: Why it goes, for the operator.
-    reason: str
-    #: For a blob: the artifact whose removal drops its last reference.
-    owner: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class GcPlan:
-    """The dry run: items in execution order and the figures they add up to."""
-
-    items: tuple[GcItem, ...]
-    usage_before: int
-    target_bytes: int
-
-    @property
-    def bytes_freed(self) -> int:
-        return sum(i.bytes for i in self.items)
-
-    @property
-    def usage_after(self) -> int:
-        return self.usage_before - self.bytes_freed
-
-    def artifact_keys(self) -> list[str]:
-        return [i.name for i in self.items if i.kind == "artifact"]
-
-
-@dataclasses.dataclass(frozen=True)
-class GcResult:
-    """What :func:`execute` actually removed."""
-
-    items: tuple[GcItem, ...]
-    #: (item, why) for every planned item that was left in place.
-    skipped: tuple[tuple[GcItem, str], ...]
-    usage_before: int
-
-    @property
-    def bytes_freed(self) -> int:
-        return sum(i.bytes for i in self.items)
-
-    @property
-    def usage_after(self) -> int:
-        return self.usage_before - self.bytes_freed
-
-
-# -- the pure part -----------------------------------------------------------------
-
-
-def reachable(roots: Iterable[Hashable], refs: Mapping[Hashable, Iterable[Hashable]]) -> set[Hashable]:
-    """Every node reachable from ``roots`` along ``refs`` (roots included).
-
-    Pure: no I/O, inputs untouched. Nodes missing from ``refs`` have no
-    outgoing edges; cycles are fine.
-
-    Args:
-        roots: the live set (artifacts that stay).
-        refs: node -> the nodes it references (artifact -> its blobs).
-
-    Returns:
-        The set of live nodes.
-
-    Example:
-        >>> sorted(reachable(["a"], {"a": ["x"], "b": ["x", "y"]}))
-        ['a', 'x']
-    """
-    seen: set[Hashable] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(n for n in refs.get(node, ()) if n not in seen)
-    return seen
-
-
-def _age(now: float, then: int) -> str:
-    return f"{max(0, int(now - then))} s ago"
-
-
-def _artifact_reason(a: ArtifactRecord, now: float) -> str:
-    if a.last_leased:
-        return f"unleased, last leased {_age(now, a.last_leased)}"
-    return f"unleased, never leased (published {_age(now, a.created)})"
-
-
-def plan(snapshot: Snapshot, *, target_bytes: int, pinned: Iterable[str] = ()) -> GcPlan:
-    """What to remove so that usage is at most ``target_bytes``.
-
-    Pure. Staging leftovers and quarantined artifacts always go (they are
-    waste); then unleased artifacts, least recently leased first, until the
-    target is met. A blob is listed right after the artifact whose removal
-    drops its last reference; shared blobs of surviving artifacts stay.
-    If the target cannot be met (everything left is pinned), the plan removes
-    all it may and ``usage_after`` says how far it got.
-
-    Args:
-        snapshot: the store's contents.
-        target_bytes: usage to collect down to.
-        pinned: identity keys that must survive (leased or in grace).
-
-    Returns:
-        The plan, items in execution order.
-
-    Raises:
-        Internal: the incremental accounting disagrees with :func:`reachable`
-            (a bug; nothing has been deleted).
-    """
-    pinned = set(pinned)
-    now = snapshot.taken_unix or time.time()
-    items: list[GcItem] = []
-    items += [GcItem("staging", d.name, d.bytes, "staging leftover, no publication writing it")
-              for d in snapshot.staging if not d.in_flight]
-    items += [GcItem("quarantine", d.name, d.bytes, "quarantined artifact") for d in snapshot.quarantine]
-    usage = snapshot.usage - sum(i.bytes for i in items)
-    sizes = snapshot.blob_sizes
-    refcount = collections.Counter(b for a in snapshot.artifacts for b in {b for b, _ in a.blobs})
-    candidates = sorted((a for a in snapshot.artifacts if a.key not in pinned),
-                        key=lambda a: (a.last_leased, a.created, a.key))
-    removed: set[str] = set()
-    for a in candidates:
-        if usage <= target_bytes:
-            break
-        removed.add(a.key)
-        items.append(GcItem("artifact", a.key, 0, _artifact_reason(a, now)))
-        for blob in sorted({b for b, _ in a.blobs}):
-            refcount[blob] -= 1
-            if refcount[blob] == 0:
-                items.append(GcItem("blob", blob, sizes[blob], f"last reference ({a.key[:12]}) removed", owner=a.key))
-                usage -= sizes[blob]
-    _check_against_reachability(snapshot, removed, {i.name for i in items if i.kind == "blob"})
-    return GcPlan(tuple(items), snapshot.usage, target_bytes)
-
-
-def _check_against_reachability(snapshot: Snapshot, removed: set[str], freed: set[str]) -> None:
-    """The blobs the plan frees must be exactly those no kept artifact reaches."""
-    refs = {("a", a.key): [("b", b) for b, _ in a.blobs] for a in snapshot.artifacts}
-    live = reachable([("a", a.key) for a in snapshot.artifacts if a.key not in removed], refs)
-    dead = {b for b in snapshot.blob_sizes if ("b", b) not in live}
-    if dead != freed:
-        raise Internal(f"gc plan: blobs freed {sorted(freed)} differ from unreachable blobs {sorted(dead)}")
-
+#: Makes the context manager held around each pin check + delete.
+Guard = Callable[[], ContextManager[object]]
 
 # -- execution -------------------------------------------------------------------------
 
@@ -247,9 +40,9 @@ def _check_against_reachability(snapshot: Snapshot, removed: set[str], freed: se
 def execute(
     gc_plan: GcPlan,
     *,
-    store: object,
+    store: GcStore,
     is_pinned: Callable[[str], bool],
-    guard: Callable[[], object] | None = None,
+    guard: Guard | None = None,
 ) -> GcResult:
     """Carries out a plan in its (fixed) order; only unlinks.
 
@@ -267,12 +60,12 @@ def execute(
        artifact keeps its shared blobs).
 
     Args:
-        gc_plan: from :func:`plan`.
-        store: the Store (``delete``, ``remove_staging``, ``remove_quarantine``,
+        gc_plan: from :func:`~hwr_server.gc_plan.plan`.
+        store: the store (``delete``, ``remove_staging``, ``remove_quarantine``,
             ``root``).
         is_pinned: called right before each artifact delete.
         guard: optional context-manager factory held around check+delete so
-            no lease can be granted in between (the lease manager's lock).
+            no lease can be granted in between (``GcStore.delete_guard``).
 
     Returns:
         What was removed and what was skipped (with why).
@@ -296,19 +89,19 @@ def execute(
     return GcResult(tuple(done), tuple(skipped), gc_plan.usage_before)
 
 
-def _execute_one(item: GcItem, store: object, is_pinned: Callable[[str], bool],
-                 guard: Callable[[], object] | None, deleted: set[str]) -> str:
+def _execute_one(item: GcItem, store: GcStore, is_pinned: Callable[[str], bool],
+                 guard: Guard | None, deleted: set[str]) -> str:
     """Removes one item; returns "" on success or why it was kept."""
     if item.kind == "staging":
-        store.remove_staging(item.name)  # type: ignore[attr-defined]
+        store.remove_staging(item.name)
     elif item.kind == "quarantine":
-        store.remove_quarantine(item.name)  # type: ignore[attr-defined]
+        store.remove_quarantine(item.name)
     elif item.kind == "artifact":
         return _delete_artifact(item.name, store, is_pinned, guard, deleted)
     elif item.kind == "blob":
         if item.owner not in deleted:
             return f"its artifact {item.owner[:12]} was kept"
-        if os.path.exists(os.path.join(store.root, "blobs", "sha256", item.name)):  # type: ignore[attr-defined]
+        if os.path.exists(os.path.join(store.root, "blobs", "sha256", item.name)):
             return "still referenced (a publication or a kept artifact uses it)"
     else:
         raise Internal(f"gc item kind {item.kind!r}: expected staging, quarantine, artifact or blob")
@@ -316,19 +109,19 @@ def _execute_one(item: GcItem, store: object, is_pinned: Callable[[str], bool],
     return ""
 
 
-def _delete_artifact(key: str, store: object, is_pinned: Callable[[str], bool],
-                     guard: Callable[[], object] | None, deleted: set[str]) -> str:
+def _delete_artifact(key: str, store: GcStore, is_pinned: Callable[[str], bool],
+                     guard: Guard | None, deleted: set[str]) -> str:
     if guard is None:
         if is_pinned(key):
             return "leased since planning"
-        store.delete(key)  # type: ignore[attr-defined]
+        store.delete(key)
     else:
-        with guard():  # type: ignore[attr-defined]
-            # Under the lease manager's lock: no lease can be granted between
-            # this check and the unlink.
+        with guard():
+            # Under the store's delete guard: no lease can be granted between
+            # this check and the unlink (see Collector._guard).
             if is_pinned(key):
                 return "leased since planning"
-            store.delete(key)  # type: ignore[attr-defined]
+            store.delete(key)
     deleted.add(key)
     log.info("gc: removed artifact %s", key[:16])
     return ""
@@ -337,28 +130,9 @@ def _delete_artifact(key: str, store: object, is_pinned: Callable[[str], bool],
 # -- the daemon component ------------------------------------------------------------
 
 
-def _field(entry: object, *names: str, default: object = None) -> object:
-    """Reads a record field whether the store returns tuples or records."""
-    for n in names:
-        if hasattr(entry, n):
-            return getattr(entry, n)
-    return default
-
-
-def _dir_records(entries: Iterable[object], *, staging: bool) -> tuple[DirRecord, ...]:
-    out = []
-    for e in entries:
-        if isinstance(e, tuple):
-            name, nbytes, *rest = e
-            # A staging tuple without an in-flight flag: assume it is being
-            # written (never collect what a publication may still need).
-            in_flight = bool(rest[0]) if rest else staging
-        else:
-            name = _field(e, "name")
-            nbytes = _field(e, "bytes", "size_bytes", "nbytes", default=0)
-            in_flight = bool(_field(e, "in_flight", "active", default=staging))
-        out.append(DirRecord(str(name), int(nbytes), in_flight if staging else False))
-    return tuple(out)
+def _dir_records(entries: Iterable[DirInfo], *, staging: bool) -> tuple[DirRecord, ...]:
+    """The store's directory listing as plan input; only staging can be in flight."""
+    return tuple(DirRecord(e.name, int(e.bytes), bool(e.in_flight) if staging else False) for e in entries)
 
 
 class Collector:
@@ -366,20 +140,24 @@ class Collector:
 
     Above ``gc_high_watermark`` of the capacity the background thread collects
     down to ``gc_low_watermark``; a publication whose plan would cross the high
-    watermark collects first (synchronously, in the store's capacity hook) and
-    fails with ResourceExhausted if it still cannot fit. Nothing is collected
-    while the lease manager is inside its post-restart grace period.
+    watermark collects first (synchronously, in :meth:`capacity_hook`, which
+    the daemon installs as the store's hook) and fails with ResourceExhausted
+    if it still cannot fit. Nothing is collected while the lease manager is
+    inside its post-restart grace period.
 
     Args:
-        config: the daemon's ServerConfig.
-        store: the Store (may be None while that module is absent).
-        leases: the LeaseManager (may be None: then nothing is pinned).
+        config: the daemon's ServerConfig (capacity, watermarks, interval).
+        store: what GC needs of the store (snapshot, delete, delete guard).
+        leases: what GC needs of the lease manager (pins, grace, last use).
+        fallback_hook: the store's own capacity check (capacity and the
+            disk's free space), run after any collection this hook does.
     """
 
-    def __init__(self, config: object, store: object, leases: object):
+    def __init__(self, config: ServerConfig, store: GcStore, leases: GcLeases, *, fallback_hook: CapacityHook):
         self.config = config
         self.store = store
         self.leases = leases
+        self._fallback_hook = fallback_hook
         #: One collection (plan + execute) at a time, automatic or not.
         self._run_lock = threading.Lock()
         #: Guards the caches below (stats() reads them from other threads).
@@ -395,77 +173,84 @@ class Collector:
         self.bytes_freed_total = 0
         self.artifacts_deleted_total = 0
         self.deferred_total = 0
-        self._fallback_hook = getattr(store, "capacity_hook", None)
-        if store is not None:
-            store.capacity_hook = self.capacity_hook  # type: ignore[attr-defined]
 
     # -- capacity --------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
-        return int(getattr(self.config, "capacity", 0) or 0)
+        """The byte budget (0 = unlimited: only waste is collected)."""
+        return int(self.config.capacity or 0)
 
     @property
     def high_bytes(self) -> int:
-        return int(self.capacity * self.config.gc_high_watermark)  # type: ignore[attr-defined]
+        return int(self.capacity * self.config.gc_high_watermark)
 
     @property
     def low_bytes(self) -> int:
-        return int(self.capacity * self.config.gc_low_watermark)  # type: ignore[attr-defined]
+        return int(self.capacity * self.config.gc_low_watermark)
 
     def deferred_reason(self) -> str:
         """Non-empty while GC must not run (the post-restart lease grace)."""
-        if self.leases is None or not self.leases.in_grace():  # type: ignore[attr-defined]
+        if not self.leases.in_grace():
             return ""
-        left = getattr(self.leases, "grace_left_s", None)
-        if callable(left):
-            return f"lease grace period after restart: {left():.0f} s left"
-        return f"lease grace period after restart ({self.config.lease_grace_s:.0f} s)"  # type: ignore[attr-defined]
+        return f"lease grace period after restart: {self.leases.grace_left_s():.0f} s left"
 
     def pinned(self) -> set[str]:
-        """Keys GC must keep: leased (or awaiting re-attach), plus any the
-        store reports busy (e.g. a publication answering "already published")."""
-        out: set[str] = set()
-        if self.leases is not None:
-            out |= set(self.leases.pinned_keys())  # type: ignore[attr-defined]
-        busy = getattr(self.store, "busy_keys", None)
-        if callable(busy):
-            out |= set(busy())
-        return out
+        """Keys GC must keep: leased, or awaiting re-attach after a restart.
+
+        Nothing else needs pinning, and this is why (an earlier version also
+        asked the store for ``busy_keys()``, which no store ever had):
+
+        - a key a publication has claimed but not committed is not in
+          ``store.keys()``, so it is never a candidate;
+        - a running publication's staging directory is ``in_flight`` in the
+          snapshot, and ``remove_staging`` re-checks that under the store lock;
+        - payload blobs a committing publication installed or reuses by
+          dedup are referenced in ``store.blob_refs()`` (its pending blobs)
+          under the store lock, so ``store.delete`` of another artifact never
+          unlinks them and their plan item is reported kept;
+        - a publication answered ``already_published`` at plan may see that
+          unleased artifact collected before its commit; the commit then
+          answers Aborted ("publish again") having written nothing. Pinning
+          the key until the commit would not protect the caller anyway:
+          nothing pins it after the commit either, until the caller's own
+          lease, and only a lease keeps an artifact.
+
+        tests/test_gc_collector.py runs the last two against the real Store.
+        """
+        return set(self.leases.pinned_keys())
 
     def _is_pinned(self, key: str) -> bool:
-        if key in self.pinned():
-            return True
-        return self.leases is not None and bool(self.leases.holders(key))  # type: ignore[attr-defined]
+        return key in self.pinned() or bool(self.leases.holders(key))
 
-    def _guard(self) -> Callable[[], object] | None:
-        """The store's lock, held around each pin check + delete.
+    def _guard(self) -> Guard:
+        """The store's delete guard, held around each pin check + delete.
 
-        A lease grant first reads the artifact (``store.get``, under this
-        lock), then records the lease. With the lock held from our pin check
-        to the unlink, no grant can read the artifact in between: one that
-        read it before our check has either recorded its lease (we see the
-        pin and keep the artifact) or records it afterwards, and its client
-        then fails to open the unlinked files and releases (FailedPrecondition).
-        The remaining gap (a client opening the files in the instant before
-        the unlink) closes when the lease manager re-checks
-        ``store.contains(key)`` after recording a lease. Lock order: store,
-        then leases (the lease manager never calls the store under its lock).
+        A lease grant first reads the artifact (``store.get``, under the
+        store's lock), then records the lease. With the guard held from our
+        pin check to the unlink, no grant can read the artifact in between:
+        one that read it before our check has either recorded its lease (we
+        see the pin and keep the artifact) or records it afterwards, and its
+        client then fails to open the unlinked files and releases
+        (FailedPrecondition). The remaining gap (a client opening the files
+        in the instant before the unlink) closes when the lease manager
+        re-checks ``store.contains(key)`` after recording a lease. Lock
+        order: store, then leases (the lease manager never calls the store
+        under its lock).
         """
-        lock = getattr(self.store, "lock", None) or getattr(self.store, "_lock", None)
-        return (lambda: lock) if lock is not None else None
+        return self.store.delete_guard
 
     # -- snapshot -------------------------------------------------------------------
 
     def _blob_path(self, blob: str) -> str:
-        return os.path.join(self.store.root, "blobs", "sha256", blob)  # type: ignore[attr-defined]
+        return os.path.join(self.store.root, "blobs", "sha256", blob)
 
     def _blobs_of(self, key: str) -> tuple[tuple[str, int], ...] | None:
         cached = self._blobs_by_key.get(key)
         if cached is not None and all(os.path.exists(self._blob_path(b)) for b, _ in cached):
             return cached
         try:
-            manifest, _paths = self.store.get(key)  # type: ignore[attr-defined]
+            manifest, _paths = self.store.get(key)
         except (NotFound, FailedPrecondition):
             return None  # deleted or quarantined since keys(): not ours to plan
         blobs = tuple((f.blob, int(f.size)) for f in manifest.files)
@@ -475,22 +260,19 @@ class Collector:
 
     def snapshot(self) -> Snapshot:
         """The store's contents now, plus the deleted-but-mapped bytes."""
-        if self.store is None:
-            return Snapshot(taken_unix=time.time())
-        last = getattr(self.leases, "last_leased", None)
         with self._cache_lock:
-            keys = list(self.store.keys())  # type: ignore[attr-defined]
+            keys = list(self.store.keys())
             arts = []
             for key in keys:
                 blobs = self._blobs_of(key)
                 if blobs is not None:
-                    arts.append(ArtifactRecord(key, blobs, int(last(key) or 0) if last else 0,
+                    arts.append(ArtifactRecord(key, blobs, int(self.leases.last_leased(key) or 0),
                                                self._created.get(key, 0)))
             dm = self._refresh_deleted_mapped(set(keys))
             snap = Snapshot(
                 artifacts=tuple(arts),
-                staging=_dir_records(self.store.staging_entries(), staging=True),  # type: ignore[attr-defined]
-                quarantine=_dir_records(self.store.quarantine_entries(), staging=False),  # type: ignore[attr-defined]
+                staging=_dir_records(self.store.staging_entries(), staging=True),
+                quarantine=_dir_records(self.store.quarantine_entries(), staging=False),
                 deleted_mapped_bytes=dm,
                 taken_unix=time.time(),
             )
@@ -557,8 +339,7 @@ class Collector:
         if cap > 0:
             with self._run_lock:
                 self._make_room(int(nbytes), cap)
-        if self._fallback_hook is not None:
-            self._fallback_hook(nbytes)  # the store's own check (disk free space)
+        self._fallback_hook(nbytes)  # the store's own check (disk free space)
 
     def _make_room(self, nbytes: int, cap: int) -> None:
         what = f"publication of {nbytes} bytes"
@@ -588,7 +369,7 @@ class Collector:
 
     def check(self) -> GcResult | None:
         """One automatic check: collects when usage is above the high watermark."""
-        if self.capacity <= 0 or self.store is None or self.deferred_reason():
+        if self.capacity <= 0 or self.deferred_reason():
             return None
         with self._run_lock:
             snap = self.snapshot()
@@ -609,10 +390,9 @@ class Collector:
             self._wake.clear()
 
     def _next_wait(self) -> float:
-        wait = float(self.config.gc_interval_s)  # type: ignore[attr-defined]
-        left = getattr(self.leases, "grace_left_s", None)
-        if callable(left) and self.leases.in_grace():  # type: ignore[attr-defined]
-            wait = min(wait, float(left()) + 0.1)
+        wait = float(self.config.gc_interval_s)
+        if self.leases.in_grace():
+            wait = min(wait, float(self.leases.grace_left_s()) + 0.1)
         return max(0.01, wait)
 
     def start(self) -> None:
@@ -622,7 +402,9 @@ class Collector:
             self._thread.start()
 
     def stop(self) -> None:
+        """Stops the background thread; a collection in progress finishes first."""
         self._stop.set()
+        # Wakes the thread out of its interval wait so it sees _stop now.
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -645,3 +427,6 @@ class Collector:
             "hwr_store_capacity_bytes": self.capacity,
             "hwr_gc_in_grace": 1.0 if self.deferred_reason() else 0.0,
         }
+
+
+__all__ = ["Collector", "execute"]

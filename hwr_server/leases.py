@@ -33,11 +33,14 @@ import secrets
 import sqlite3
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from hwr_client.core.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from hwr_client.core.identity import check_key
+from hwr_client.core.manifest import Manifest
 from hwr_server import db
+from hwr_server.config import ServerConfig
+from hwr_server.interfaces import LeaseStore
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +127,12 @@ class LeaseManager:
 
     Args:
         config: the resolved ServerConfig (root, keepalive and grace settings).
-        store: the Store; ``store.get(key)`` returns (Manifest, blob paths) or
-            raises NotFound / FailedPrecondition (quarantined).
+        store: what leases need of the store: ``get(key)`` returns (Manifest,
+            blob paths) or raises NotFound / FailedPrecondition (quarantined);
+            ``contains(key)`` re-checks after a grant.
     """
 
-    def __init__(self, config: Any, store: Any):
+    def __init__(self, config: ServerConfig, store: LeaseStore):
         self.config = config
         self.store = store
         self._lock = threading.Lock()
@@ -136,7 +140,7 @@ class LeaseManager:
         self._leases: dict[str, _Lease] = {}  # id hash -> lease
         self._usage: dict[str, int] = {}  # key -> last leased unix seconds
         self._usage_dirty: set[str] = set()  # stamps not yet on disk
-        self._manifest_cache: dict[str, tuple[Any, str]] = {}  # key -> (Manifest, its JSON)
+        self._manifest_cache: dict[str, tuple[Manifest, str]] = {}  # key -> (Manifest, its JSON)
         self._closing = False
         self._wake = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -362,8 +366,7 @@ class LeaseManager:
         # before its check (it keeps the artifact), or it unlinked after our
         # store.get — then the artifact is gone now and we must not hand out
         # paths to it. Lock order: store, then leases (never the reverse).
-        contains = getattr(self.store, "contains", None)
-        if callable(contains) and not contains(key):
+        if not self.store.contains(key):
             self.release(session_id, lease_id)
             raise NotFound(f"artifact {key[:12]}: deleted while the lease was being granted")
         return Grant(lease_id, manifest_json, paths)
@@ -431,6 +434,7 @@ class LeaseManager:
             return self._usage.get(key, 0)
 
     def stats(self) -> dict[str, float]:
+        """Lease and session gauges for GetStats and Prometheus."""
         with self._lock:
             attached = sum(1 for x in self._leases.values() if x.session is not None)
             return {
@@ -481,15 +485,4 @@ class LeaseManager:
         return len(stale), len(dropped)
 
 
-def describe_holders(key: str, holders: list[LeaseInfo]) -> str:
-    """``pid 123 (worker-0) since 2026-01-01T00:00:00Z, ...`` for messages."""
-    parts = []
-    for h in holders:
-        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(h.acquired_unix))
-        name = f" ({h.client_name})" if h.client_name else ""
-        state = "" if h.state == ATTACHED else f" [{h.state}]"
-        parts.append(f"pid {h.pid}{name} since {since}{state}")
-    return f"artifact {key[:12]}… is leased by " + ", ".join(parts)
-
-
-__all__ = ["ATTACHED", "AWAITING", "Grant", "LeaseInfo", "LeaseManager", "SessionGrant", "describe_holders"]
+__all__ = ["ATTACHED", "AWAITING", "Grant", "LeaseInfo", "LeaseManager", "SessionGrant"]

@@ -22,7 +22,12 @@ from hwr_client.core.errors import FailedPrecondition
 
 
 class InstanceLock:
-    """An exclusive, non-blocking flock on ``path``, held until release."""
+    """An exclusive, non-blocking flock on ``path``, held until release.
+
+    Args:
+        path: the lock file (created 0644 if missing).
+        what: what it guards, for the error message ("store root /x").
+    """
 
     def __init__(self, path: str, what: str):
         self.path = path
@@ -52,6 +57,8 @@ class InstanceLock:
         return self
 
     def release(self) -> None:
+        """Drops the lock (idempotent). The file stays: unlinking it would let
+        a waiter lock a file a newcomer no longer sees."""
         if self._fd is not None:
             os.close(self._fd)  # closing drops the flock
             self._fd = None

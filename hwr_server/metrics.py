@@ -2,7 +2,8 @@
 families at scrape time.
 
 Components report flat dicts whose keys are Prometheus names with labels
-written inline (``hwr_store_bytes{state="published"}``). :func:`families`
+written inline (``hwr_store_bytes{state="published"}``). :meth:`Metrics.gather`
+merges them (the one merge: GetStats calls it too) and :func:`families`
 parses those keys and groups them into families (``*_total`` are counters,
 everything else gauges), so a component adds a figure by adding a key, and
 ``hwr stats --json`` (GetStats) and Prometheus always show the same numbers.
@@ -28,13 +29,19 @@ import os
 import re
 import threading
 import time
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.exposition import start_http_server
 
 from hwr_client.core.errors import InvalidArgument
+from hwr_server.config import ServerConfig
+from hwr_server.interfaces import StatsSource
+
+if TYPE_CHECKING:
+    from hwr_server.store import StoreFigures
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +116,60 @@ def families(stats: Mapping[str, float]) -> list[Metric]:
     return [out[k] for k in sorted(out)]
 
 
+def store_stats(f: StoreFigures) -> dict[str, float]:
+    """The store's figures under their GetStats / Prometheus names."""
+    out = {f'hwr_publications_total{{outcome="{o}"}}': float(n) for o, n in f.publications.items()}
+    out.update({
+        "hwr_publication_bytes_total": float(f.publication_bytes),
+        "hwr_publication_seconds_total": float(f.publication_seconds),
+        "hwr_verify_failures_total": float(f.verify_failures),
+        'hwr_artifacts{state="published"}': float(f.artifacts_published),
+        'hwr_artifacts{state="quarantined"}': float(f.artifacts_quarantined),
+        'hwr_store_bytes{state="published"}': float(f.bytes_published),
+        'hwr_store_bytes{state="quarantined"}': float(f.bytes_quarantined),
+        'hwr_store_bytes{state="staging"}': float(f.bytes_staging),
+    })
+    return out
+
+
+class StoreStats:
+    """The store as a :class:`~hwr_server.interfaces.StatsSource`: the store
+    counts (``Store.figures``), this module names.
+
+    Args:
+        figures: the store's ``figures`` method.
+    """
+
+    def __init__(self, figures: Callable[[], StoreFigures]):
+        self._figures = figures
+
+    def stats(self) -> dict[str, float]:
+        """The store's figures now, by :func:`store_stats`."""
+        return store_stats(self._figures())
+
+
+def merge_stats(sources: Iterable[tuple[str, StatsSource]]) -> dict[str, float]:
+    """Every source's figures in one dict, later sources winning on a clash.
+
+    A source whose ``stats()`` raises is logged and skipped, so one broken
+    figure neither hides the others nor fails a scrape.
+
+    Args:
+        sources: (name for the log, component) pairs.
+    """
+    out: dict[str, float] = {}
+    for name, component in sources:
+        try:
+            out.update({str(k): float(v) for k, v in component.stats().items()})
+        except Exception:  # noqa: BLE001 - stats are best effort per component
+            log.exception("metrics: stats of %s failed", name)
+    return out
+
+
 class _StatsCollector:
     """A prometheus_client custom collector calling ``gather`` per scrape."""
 
-    def __init__(self, gather: Any):
+    def __init__(self, gather: Callable[[], Mapping[str, float]]):
         self._gather = gather
 
     def collect(self) -> Iterable[Metric]:
@@ -142,29 +199,31 @@ def check_loopback(listen: str) -> tuple[str, int]:
 
 
 class Metrics:
-    """The daemon's metrics exposition (HTTP on loopback and/or a textfile).
+    """The daemon's figures: GetStats and the exposition (HTTP on loopback
+    and/or a textfile).
 
     Args:
-        daemon: the Daemon; its ``stats()`` and each component's ``stats()``
-            are merged at every scrape.
+        config: the daemon's ServerConfig (``metrics_*``).
+        sources: (name, component) pairs whose ``stats()`` are merged at every
+            scrape, in this order; the daemon passes each component and itself.
+        started_unix: when the daemon started, for ``hwr_uptime_seconds``
+            (default: now).
 
     Raises:
         InvalidArgument: ``metrics_listen`` is not a loopback address.
     """
 
-    COMPONENTS = ("store", "leases", "sources", "gc", "scrub")
-
-    def __init__(self, daemon: Any):
-        self.daemon = daemon
-        cfg = daemon.config
-        self.listen = check_loopback(cfg.metrics_listen) if cfg.metrics_listen else None
-        self.textfile = cfg.metrics_textfile or ""
-        self.interval_s = float(getattr(cfg, "metrics_textfile_interval_s", 15.0))
+    def __init__(self, config: ServerConfig, sources: Sequence[tuple[str, StatsSource]], *,
+                 started_unix: float | None = None):
+        self.sources = tuple(sources)
+        self.listen = check_loopback(config.metrics_listen) if config.metrics_listen else None
+        self.textfile = config.metrics_textfile or ""
+        self.interval_s = float(config.metrics_textfile_interval_s)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StatsCollector(self.gather))
-        self.started = time.time()
+        self.started = time.time() if started_unix is None else started_unix
         self.textfile_writes = 0
-        self._server: Any = None
+        self._server: WSGIServer | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -174,28 +233,13 @@ class Metrics:
         if self._server is None:
             return None
         host, port = self._server.server_address[:2]
-        return host, port
+        # An AF_INET/AF_INET6 server: the host is always a str.
+        return str(host), int(port)
 
     def gather(self) -> dict[str, float]:
-        """Every component's figures in one dict: exactly what GetStats
-        (``hwr stats --json``) shows, by the same function when present."""
-        try:
-            from hwr_server.rpc_stats import collect
-        except ImportError:
-            collect = None
-        if collect is not None:
-            return collect(self.daemon)
-        merged: dict[str, float] = {}
-        sources = [self.daemon] + [getattr(self.daemon, n, None) for n in self.COMPONENTS] + [self]
-        for comp in sources:
-            fn = getattr(comp, "stats", None)
-            if comp is None or not callable(fn):
-                continue
-            try:
-                merged.update(fn())
-            except Exception:  # noqa: BLE001 - one broken component must not break a scrape
-                log.exception("metrics: %s.stats() failed", type(comp).__name__)
-        return merged
+        """Every component's figures and ours in one dict: exactly what
+        GetStats (``hwr stats --json``) shows and Prometheus scrapes."""
+        return merge_stats([*self.sources, ("metrics", self)])
 
     def render(self) -> bytes:
         """The Prometheus text exposition of the current figures."""
@@ -231,7 +275,7 @@ class Metrics:
         if self.listen is not None:
             host, port = self.listen
             self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
-            log.info("metrics: serving http://%s:%d/metrics", *self.address)  # type: ignore[misc]
+            log.info("metrics: serving http://%s:%d/metrics", *(self.address or ("?", 0)))
         if self.textfile:
             os.makedirs(os.path.dirname(os.path.abspath(self.textfile)), exist_ok=True)
             self.write_textfile()
@@ -255,5 +299,6 @@ class Metrics:
                 log.warning("metrics: final write of %s failed: %s", self.textfile, exc)
 
     def stats(self) -> dict[str, float]:
+        """The daemon's uptime (emitted here only) and our own counter."""
         return {"hwr_uptime_seconds": time.time() - self.started,
                 "hwr_metrics_textfile_writes_total": self.textfile_writes}

@@ -8,35 +8,34 @@ nothing is executed and ``deferred_reason`` says why.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+import grpc
 
 from hwr_client.core._proto import hwr_pb2 as pb
-from hwr_client.core.errors import Unavailable
-from hwr_server.gc import GcItem
+from hwr_server.gc_plan import GcItem
+
+if TYPE_CHECKING:
+    from hwr_server.daemon import Components
 
 
 def _item(i: GcItem) -> pb.GcItem:
     return pb.GcItem(kind=i.kind, name=i.name, bytes=i.bytes, reason=i.reason)
 
 
-def collect(daemon: Any, request: pb.CollectGarbageRequest, context: Any) -> pb.CollectGarbageReply:
+def collect(c: Components, request: pb.CollectGarbageRequest, context: grpc.ServicerContext
+            ) -> pb.CollectGarbageReply:
     """Plans or runs one garbage collection.
 
     Args:
-        daemon: the running daemon (``daemon.gc`` is the Collector).
+        c: the daemon's components (``c.gc`` is the Collector).
         request: ``dry_run`` and ``target_bytes`` (0 = the low watermark).
         context: the gRPC context (unused).
 
     Returns:
         The items in execution order, bytes freed and usage before/after.
-
-    Raises:
-        Unavailable: the daemon has no collector (store not built).
     """
-    gc = getattr(daemon, "gc", None)
-    if gc is None or getattr(daemon, "store", None) is None:
-        raise Unavailable("garbage collection: this daemon has no store/collector yet; retry when it is ready")
-    gc_plan, result, deferred = gc.collect(target_bytes=int(request.target_bytes), dry_run=bool(request.dry_run))
+    gc_plan, result, deferred = c.gc.collect(target_bytes=int(request.target_bytes), dry_run=bool(request.dry_run))
     if result is None:
         return pb.CollectGarbageReply(
             items=[_item(i) for i in gc_plan.items], bytes_freed=gc_plan.bytes_freed, executed=False,

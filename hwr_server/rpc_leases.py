@@ -7,25 +7,21 @@ turns them into statuses.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import grpc
 
 from hwr_client.core._proto import hwr_pb2 as pb
-from hwr_client.core.errors import InvalidArgument, Unavailable
-from hwr_server.leases import LeaseInfo, LeaseManager
+from hwr_client.core.errors import InvalidArgument
+from hwr_server.leases import LeaseInfo
+
+if TYPE_CHECKING:
+    from hwr_server.daemon import Components
 
 log = logging.getLogger(__name__)
 
 
-def _manager(daemon: Any) -> LeaseManager:
-    leases = getattr(daemon, "leases", None)
-    if leases is None or not getattr(daemon, "ready", True):
-        raise Unavailable("leases: the daemon is not serving leases yet; retry shortly")
-    return leases
-
-
-def session(daemon: Any, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext
+def session(c: Components, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext
             ) -> Iterator[pb.SessionEvent]:
     """The session stream: SessionOpen first, then keepalives.
 
@@ -38,7 +34,7 @@ def session(daemon: Any, requests: Iterator[pb.SessionRequest], context: grpc.Se
         InvalidArgument: the first message is not ``open``, or ``open`` is
             sent twice.
     """
-    leases = _manager(daemon)
+    leases = c.leases
     first = next(requests, None)
     if first is None or first.WhichOneof("kind") != "open":
         raise InvalidArgument("session: expected SessionOpen as the first message")
@@ -73,26 +69,26 @@ def session(daemon: Any, requests: Iterator[pb.SessionRequest], context: grpc.Se
         leases.end_session(sid, reason="stream ended")
 
 
-def acquire(daemon: Any, request: pb.AcquireLeaseRequest, context: grpc.ServicerContext) -> pb.AcquireLeaseReply:
+def acquire(c: Components, request: pb.AcquireLeaseRequest, context: grpc.ServicerContext) -> pb.AcquireLeaseReply:
     """Pins an artifact for the calling session; see LeaseManager.acquire."""
     if not request.session_id:
         raise InvalidArgument("AcquireLease: session_id is empty; open a session first")
-    grant = _manager(daemon).acquire(request.session_id, request.key)
+    grant = c.leases.acquire(request.session_id, request.key)
     return pb.AcquireLeaseReply(lease_id=grant.lease_id, manifest_json=grant.manifest_json,
                                 blob_paths=list(grant.blob_paths))
 
 
-def release(daemon: Any, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext) -> pb.ReleaseLeaseReply:
+def release(c: Components, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext) -> pb.ReleaseLeaseReply:
     """Releases a lease the session holds; anything else answers False."""
-    return pb.ReleaseLeaseReply(released=_manager(daemon).release(request.session_id, request.lease_id))
+    return pb.ReleaseLeaseReply(released=c.leases.release(request.session_id, request.lease_id))
 
 
 def lease_info_pb(info: LeaseInfo) -> pb.LeaseInfo:
-    """The wire form of a LeaseInfo (also used by InspectArtifact)."""
+    """The wire form of a LeaseInfo: ListLeases and InspectArtifact both use it."""
     return pb.LeaseInfo(lease_id_prefix=info.lease_id_prefix, key=info.key, pid=info.pid,
                         client_name=info.client_name, acquired_unix=info.acquired_unix, state=info.state)
 
 
-def list_leases(daemon: Any, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesReply:
+def list_leases(c: Components, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesReply:
     """Every lease, attached or awaiting re-attach, by acquisition time."""
-    return pb.ListLeasesReply(leases=[lease_info_pb(i) for i in _manager(daemon).list()])
+    return pb.ListLeasesReply(leases=[lease_info_pb(i) for i in c.leases.list()])

@@ -9,27 +9,18 @@ an event loop): the handler waits on the cache's hashing pool.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 
 from hwr_client.core._proto import hwr_pb2 as pb
-from hwr_client.core.errors import InvalidArgument, Unavailable
+from hwr_client.core.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from hwr_server.daemon import Components
 
 
-def _cache(daemon: Any) -> Any:
-    """The daemon's SourceCache.
-
-    Raises:
-        Unavailable: the daemon runs without one (the client hashes locally).
-    """
-    cache = getattr(daemon, "sources", None)
-    if cache is None:
-        raise Unavailable("source cache: not running in this daemon; the client hashes locally")
-    return cache
-
-
-def resolve(daemon: Any, request: pb.ResolveSourcesRequest, context: grpc.ServicerContext) -> pb.ResolveSourcesReply:
+def resolve(c: Components, request: pb.ResolveSourcesRequest, context: grpc.ServicerContext) -> pb.ResolveSourcesReply:
     """ResolveSources: one SourceDigest per requested path, in order.
 
     Raises:
@@ -39,7 +30,7 @@ def resolve(daemon: Any, request: pb.ResolveSourcesRequest, context: grpc.Servic
     paths = list(request.paths)
     if not paths:
         raise InvalidArgument("ResolveSources: expected at least one path")
-    digests = _cache(daemon).resolve(paths)
+    digests = c.sources.resolve(paths)
     return pb.ResolveSourcesReply(
         sources=[
             pb.SourceDigest(path=d.path, content_id=d.content_id, size=d.size, cached=d.cached, origin=d.origin)
@@ -48,13 +39,13 @@ def resolve(daemon: Any, request: pb.ResolveSourcesRequest, context: grpc.Servic
     )
 
 
-def list_records(daemon: Any, request: pb.ListSourcesRequest, context: grpc.ServicerContext) -> pb.ListSourcesReply:
+def list_records(c: Components, request: pb.ListSourcesRequest, context: grpc.ServicerContext) -> pb.ListSourcesReply:
     """ListSources: every valid cache record, sorted by path.
 
     Raises:
         Unavailable: the cache database cannot be read now.
     """
-    records = _cache(daemon).list_records()
+    records = c.sources.list_records()
     return pb.ListSourcesReply(
         records=[
             pb.SourceRecord(
@@ -66,7 +57,7 @@ def list_records(daemon: Any, request: pb.ListSourcesRequest, context: grpc.Serv
     )
 
 
-def forget(daemon: Any, request: pb.ForgetSourceRequest, context: grpc.ServicerContext) -> pb.ForgetSourceReply:
+def forget(c: Components, request: pb.ForgetSourceRequest, context: grpc.ServicerContext) -> pb.ForgetSourceReply:
     """ForgetSource (admin socket only): drops one path's record.
 
     Raises:
@@ -75,4 +66,4 @@ def forget(daemon: Any, request: pb.ForgetSourceRequest, context: grpc.ServicerC
     """
     if not request.path:
         raise InvalidArgument("ForgetSource: expected a path")
-    return pb.ForgetSourceReply(forgotten=_cache(daemon).forget(request.path))
+    return pb.ForgetSourceReply(forgotten=c.sources.forget(request.path))

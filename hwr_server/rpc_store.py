@@ -9,41 +9,34 @@ translates to status codes.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import grpc
 
 from hwr_client.core._proto import hwr_pb2 as pb
-from hwr_client.core.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from hwr_client.core.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from hwr_client.core.identity import check_key
 from hwr_server.publication import Publication
-from hwr_server.store import summary_of
+from hwr_server.rpc_leases import lease_info_pb
+from hwr_server.store import ArtifactSummary, summary_of
+
+if TYPE_CHECKING:
+    from hwr_server.daemon import Components
 
 log = logging.getLogger(__name__)
-
-
-def _store(daemon: Any) -> Any:
-    store = getattr(daemon, "store", None)
-    if store is None:
-        raise Unavailable("store: not initialized yet; retry when the daemon reports SERVING")
-    return store
-
-
-def _leases(daemon: Any) -> Any:
-    return getattr(daemon, "leases", None)
 
 
 # -- runtime ------------------------------------------------------------------
 
 
-def publish(daemon: Any, requests: Iterator[pb.PublishRequest], context: grpc.ServicerContext) -> Iterator[pb.PublishEvent]:
+def publish(c: Components, requests: Iterator[pb.PublishRequest], context: grpc.ServicerContext) -> Iterator[pb.PublishEvent]:
     """Publish: plan → accepted → chunks → commit → committed.
 
     Raises:
         InvalidArgument: no plan first, bad plan, bad chunk, stream ended early.
         Aborted / ResourceExhausted / FailedPrecondition: see Publication.
     """
-    store = _store(daemon)
+    store = c.store
     first = next(requests, None)
     if first is None or first.WhichOneof("kind") != "plan":
         raise InvalidArgument("publish: the first message must be a plan")
@@ -72,14 +65,15 @@ def publish(daemon: Any, requests: Iterator[pb.PublishRequest], context: grpc.Se
         pub.close()
 
 
-def lookup(daemon: Any, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
-    return pb.LookupReply(manifest_json=_store(daemon).manifest_json(check_key(request.key)))
+def lookup(c: Components, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
+    """The stored manifest of a published key (NotFound / FailedPrecondition otherwise)."""
+    return pb.LookupReply(manifest_json=c.store.manifest_json(check_key(request.key)))
 
 
-def report_corruption(daemon: Any, request: pb.ReportCorruptionRequest, context: grpc.ServicerContext
+def report_corruption(c: Components, request: pb.ReportCorruptionRequest, context: grpc.ServicerContext
                       ) -> pb.ReportCorruptionReply:
     """Re-verifies on the daemon's own; quarantines only if it agrees."""
-    store = _store(daemon)
+    store = c.store
     key = check_key(request.key)
     log.warning("client reports corruption of %s: %s", key[:12], request.detail[:200])
     result = store.verify(key)
@@ -92,12 +86,11 @@ def report_corruption(daemon: Any, request: pb.ReportCorruptionRequest, context:
 # -- admin --------------------------------------------------------------------
 
 
-def _summary_proto(daemon: Any, s: Any) -> pb.ArtifactSummary:
-    leases = _leases(daemon)
+def _summary_proto(c: Components, s: ArtifactSummary) -> pb.ArtifactSummary:
     count, last = 0, 0
-    if leases is not None and s.state == "published":
-        count = len(leases.holders(s.key))
-        last = int(leases.last_leased(s.key)) if hasattr(leases, "last_leased") else 0
+    if s.state == "published":
+        count = len(c.leases.holders(s.key))
+        last = int(c.leases.last_leased(s.key))
     return pb.ArtifactSummary(
         key=s.key, state=s.state, contract_name=s.contract_name, contract_version=s.contract_version,
         producer_id=s.producer_id, producer_version=s.producer_version, size_bytes=s.size_bytes,
@@ -106,49 +99,41 @@ def _summary_proto(daemon: Any, s: Any) -> pb.ArtifactSummary:
     )
 
 
-def list_artifacts(daemon: Any, request: pb.ListArtifactsRequest, context: grpc.ServicerContext
+def list_artifacts(c: Components, request: pb.ListArtifactsRequest, context: grpc.ServicerContext
                    ) -> pb.ListArtifactsReply:
-    return pb.ListArtifactsReply(artifacts=[_summary_proto(daemon, s) for s in _store(daemon).summaries()])
+    """Every published and quarantined artifact, with its lease figures."""
+    return pb.ListArtifactsReply(artifacts=[_summary_proto(c, s) for s in c.store.summaries()])
 
 
-def _lease_proto(info: Any, key: str) -> pb.LeaseInfo:
-    return pb.LeaseInfo(
-        lease_id_prefix=str(getattr(info, "lease_id_prefix", getattr(info, "lease_id", "")))[:8], key=key,
-        pid=int(getattr(info, "pid", 0)), client_name=str(getattr(info, "client_name", "")),
-        acquired_unix=int(getattr(info, "acquired_unix", 0)), state=str(getattr(info, "state", "attached")),
-    )
-
-
-def inspect(daemon: Any, request: pb.InspectArtifactRequest, context: grpc.ServicerContext
+def inspect(c: Components, request: pb.InspectArtifactRequest, context: grpc.ServicerContext
             ) -> pb.InspectArtifactReply:
     """Summary, stored manifest and lease holders of one artifact (published
     or quarantined)."""
-    store = _store(daemon)
+    store = c.store
     key = check_key(request.key)
     q = store.quarantined(key)
     if store.contains(key) or q is None:
         manifest, _ = store.get(key)  # NotFound when neither published nor quarantined
-        leases = _leases(daemon)
-        holders = list(leases.holders(key)) if leases is not None else []
         return pb.InspectArtifactReply(
-            summary=_summary_proto(daemon, summary_of(manifest)), manifest_json=store.manifest_json(key),
-            leases=[_lease_proto(h, key) for h in holders],
+            summary=_summary_proto(c, summary_of(manifest)), manifest_json=store.manifest_json(key),
+            leases=[lease_info_pb(h) for h in c.leases.holders(key)],
         )
-    return pb.InspectArtifactReply(summary=_summary_proto(daemon, q), manifest_json="")
+    return pb.InspectArtifactReply(summary=_summary_proto(c, q), manifest_json="")
 
 
-def verify(daemon: Any, request: pb.VerifyArtifactRequest, context: grpc.ServicerContext) -> pb.VerifyArtifactReply:
+def verify(c: Components, request: pb.VerifyArtifactRequest, context: grpc.ServicerContext) -> pb.VerifyArtifactReply:
     """Deep verification of one key or all; corrupt artifacts are quarantined
     and the call answers DATA_LOSS listing every problem.
 
     Raises:
         InvalidArgument: neither a key nor all. DataLoss: corruption found.
     """
-    store = _store(daemon)
+    store = c.store
     if request.all == bool(request.key):
         raise InvalidArgument("verify: give exactly one of a key or all=true")
     keys = store.keys() if request.all else [check_key(request.key)]
-    results, problems = [], []
+    results: list[pb.VerifyResult] = []
+    problems: list[str] = []
     for key in keys:
         try:
             r = store.verify(key)
@@ -169,21 +154,18 @@ def verify(daemon: Any, request: pb.VerifyArtifactRequest, context: grpc.Service
     return pb.VerifyArtifactReply(results=results)
 
 
-def delete(daemon: Any, request: pb.DeleteArtifactRequest, context: grpc.ServicerContext) -> pb.DeleteArtifactReply:
+def delete(c: Components, request: pb.DeleteArtifactRequest, context: grpc.ServicerContext) -> pb.DeleteArtifactReply:
     """Deletes an artifact unless leased (or force).
 
     Raises:
         NotFound: unknown key. FailedPrecondition: leased and not force.
     """
-    store = _store(daemon)
+    store = c.store
     key = check_key(request.key)
-    leases = _leases(daemon)
-    if leases is not None and not request.force:
-        holders = list(leases.holders(key))
+    if not request.force:
+        holders = c.leases.holders(key)
         if holders:
-            names = ", ".join(
-                f"pid {getattr(h, 'pid', '?')} since {int(getattr(h, 'acquired_unix', 0))}" for h in holders
-            )
+            names = ", ".join(f"pid {h.pid} since {h.acquired_unix}" for h in holders)
             raise FailedPrecondition(
                 f"artifact {key[:12]}: leased by {names}; stop those workers or use `hwr rm --force`"
             )

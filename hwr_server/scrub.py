@@ -17,9 +17,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
 
 from hwr_client.core.errors import DataLoss, FailedPrecondition, NotFound
+from hwr_server.config import ServerConfig
+from hwr_server.interfaces import Pins, ScrubStore
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +33,15 @@ class Scrubber:
 
     Args:
         config: ServerConfig (``scrub_bytes_per_s``; 0 = off).
-        store: the Store (``keys``, ``verify``, ``quarantine``); may be None.
-        leases: the LeaseManager (``pinned_keys``); may be None.
+        store: what the scrub needs of the store (``keys``, ``verify``,
+            ``quarantine``).
+        leases: which keys are leased (``pinned_keys``): never scrubbed.
+        pass_interval_s: seconds between the starts of two full passes.
     """
 
-    def __init__(self, config: Any, store: Any, leases: Any, *, pass_interval_s: float = MIN_PASS_INTERVAL_S):
-        self.rate = int(getattr(config, "scrub_bytes_per_s", 0) or 0)
+    def __init__(self, config: ServerConfig, store: ScrubStore, leases: Pins, *,
+                 pass_interval_s: float = MIN_PASS_INTERVAL_S):
+        self.rate = int(config.scrub_bytes_per_s or 0)
         self.store = store
         self.leases = leases
         self.pass_interval_s = pass_interval_s
@@ -52,10 +56,11 @@ class Scrubber:
 
     @property
     def enabled(self) -> bool:
-        return self.rate > 0 and self.store is not None
+        """True when ``scrub_bytes_per_s`` > 0."""
+        return self.rate > 0
 
     def _pinned(self) -> set[str]:
-        return set(self.leases.pinned_keys()) if self.leases is not None else set()
+        return set(self.leases.pinned_keys())
 
     def scrub_one(self, key: str) -> int:
         """Verifies one artifact unless leased; quarantines it if corrupt.
@@ -71,7 +76,7 @@ class Scrubber:
         try:
             result = self.store.verify(key)
             ok, problems, nbytes = bool(result.ok), list(result.problems), int(result.bytes_checked)
-            bad = tuple(getattr(result, "bad_blobs", ()))
+            bad = tuple(result.bad_blobs)
         except DataLoss as exc:
             ok, problems, nbytes = False, [str(exc)], 0
         except (NotFound, FailedPrecondition):
@@ -90,10 +95,7 @@ class Scrubber:
             return  # someone else quarantined or deleted it meanwhile
         reason = "scrub: " + (problems[0] if problems else "verification failed")
         try:
-            if bad:
-                self.store.quarantine(key, reason, bad_blobs=bad)
-            else:
-                self.store.quarantine(key, reason)
+            self.store.quarantine(key, reason, bad_blobs=bad)
         except (NotFound, FailedPrecondition) as exc:
             log.info("scrub: quarantine of %s not needed: %s", key[:16], exc)
 
@@ -141,12 +143,15 @@ class Scrubber:
             self._thread.start()
 
     def stop(self) -> None:
+        """Stops the scrub thread; an artifact being verified finishes first."""
+        # Also cuts the pacing wait short: the thread checks _stop there.
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
 
     def stats(self) -> dict[str, float]:
+        """Scrub counters and the configured rate."""
         return {
             "hwr_scrub_bytes_total": self.bytes_total,
             "hwr_scrub_artifacts_total": self.artifacts_total,

@@ -1,11 +1,11 @@
 """The gRPC servicers: thin adapters from rpcs to the daemon's components.
 
-Each rpc is one line that hands (daemon, request, context) to the handler
-module of its concept (``rpc_store``, ``rpc_leases``, ``rpc_sources``,
+Each rpc is one line that hands (components, request, context) to the
+handler of its concept (``rpc_store``, ``rpc_leases``, ``rpc_sources``,
 ``rpc_gc``, ``rpc_stats``). Handlers parse and validate the request, call the
-component, and build the reply; they raise :mod:`hwr_client.core.errors` classes.
-This module converts those into gRPC statuses in ONE place
-(:func:`_translate`), so no handler ever touches status codes.
+component, and build the reply; they raise :mod:`hwr_client.core.errors`
+classes. This module converts those into gRPC statuses in ONE place
+(:func:`_abort`), so no handler ever touches status codes.
 
 The same two servicer classes serve both sockets; on the runtime socket
 (``admin=False``) the mutating admin calls answer PERMISSION_DENIED.
@@ -13,19 +13,27 @@ The same two servicer classes serve both sockets; on the runtime socket
 
 from __future__ import annotations
 
-import importlib
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import grpc
 
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
 from hwr_client.core.errors import HwrError, PermissionDenied, Unavailable, status_code_of
+from hwr_server import rpc_gc, rpc_leases, rpc_sources, rpc_stats, rpc_store
+
+if TYPE_CHECKING:
+    from hwr_server.daemon import Components
 
 log = logging.getLogger(__name__)
 
 #: Admin rpcs that change the store; only served on the admin socket.
 MUTATING_ADMIN_RPCS = frozenset({"DeleteArtifact", "CollectGarbage", "VerifyArtifact", "ForgetSource"})
+
+#: A handler: (components, request or request iterator, context) -> reply,
+#: or an iterator of replies for a streaming rpc. Requests and replies are
+#: protobuf messages of many types; the handlers' own signatures name them.
+Handler = Callable[["Components", Any, grpc.ServicerContext], Any]
 
 
 def _abort(context: grpc.ServicerContext, rpc: str, exc: BaseException) -> None:
@@ -36,76 +44,93 @@ def _abort(context: grpc.ServicerContext, rpc: str, exc: BaseException) -> None:
     context.abort(grpc.StatusCode.INTERNAL, f"{rpc}: internal error: {type(exc).__name__}: {exc}")
 
 
-def _handler(module: str, func: str, rpc: str, *, streaming: bool = False, mutating: bool = False) -> Callable:
-    """Builds a servicer method that calls ``hwr_server.<module>.<func>``."""
+def _handler(func: Handler, rpc: str, *, streaming: bool = False) -> Callable[..., Any]:
+    """Builds the servicer method of ``rpc`` that calls ``func``."""
+    mutating = rpc in MUTATING_ADMIN_RPCS
 
-    def resolve() -> Callable:
-        return getattr(importlib.import_module(f"hwr_server.{module}"), func)
-
-    def check(self: "_Base", context: grpc.ServicerContext) -> None:
-        if not getattr(self.daemon, "ready", True):
+    def check(self: _Base) -> None:
+        if not self.ready():
             raise Unavailable(f"{rpc}: the daemon is still recovering its store; retry shortly")
         if mutating and not self.admin:
             raise PermissionDenied(f"{rpc}: only served on the admin socket; use `--admin-socket` or HWR_ADMIN_SOCKET")
 
     if streaming:
 
-        def method(self: "_Base", request: Any, context: grpc.ServicerContext):
+        def stream(self: _Base, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
-                check(self, context)
-                yield from resolve()(self.daemon, request, context)
+                check(self)
+                yield from func(self.components, request, context)
             except Exception as exc:  # noqa: BLE001 - translated, never swallowed
                 if isinstance(exc, grpc.RpcError) or context.code() is not None:
                     raise
                 _abort(context, rpc, exc)
 
-    else:
+        stream.__name__ = rpc
+        return stream
 
-        def method(self: "_Base", request: Any, context: grpc.ServicerContext):
-            try:
-                check(self, context)
-                return resolve()(self.daemon, request, context)
-            except Exception as exc:  # noqa: BLE001 - translated, never swallowed
-                # context.abort raises an Exception subclass; let it through.
-                if context.code() is not None:
-                    raise
-                _abort(context, rpc, exc)
+    def unary(self: _Base, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            check(self)
+            return func(self.components, request, context)
+        except Exception as exc:  # noqa: BLE001 - translated, never swallowed
+            # context.abort raises an Exception subclass; let it through.
+            if context.code() is not None:
+                raise
+            _abort(context, rpc, exc)
 
-    method.__name__ = rpc
-    return method
+    unary.__name__ = rpc
+    return unary
 
 
 class _Base:
-    def __init__(self, daemon: Any, *, admin: bool):
-        #: The running daemon (hwr_server.daemon.Daemon): config and components.
-        self.daemon = daemon
-        #: True on the admin socket.
+    """State shared by both servicers.
+
+    Args:
+        components: the daemon's components (built before any socket binds).
+        ready: False until recovery finished; rpcs answer UNAVAILABLE until then.
+        admin: True on the admin socket.
+    """
+
+    def __init__(self, components: Components, *, ready: Callable[[], bool], admin: bool):
+        self.components = components
+        self.ready = ready
         self.admin = admin
 
 
 class RuntimeServicer(_Base, pb_grpc.RuntimeServicer):
-    Publish = _handler("rpc_store", "publish", "Publish", streaming=True)
-    Lookup = _handler("rpc_store", "lookup", "Lookup")
-    ReportCorruption = _handler("rpc_store", "report_corruption", "ReportCorruption")
-    Session = _handler("rpc_leases", "session", "Session", streaming=True)
-    AcquireLease = _handler("rpc_leases", "acquire", "AcquireLease")
-    ReleaseLease = _handler("rpc_leases", "release", "ReleaseLease")
-    ResolveSources = _handler("rpc_sources", "resolve", "ResolveSources")
+    """hwr.v1.Runtime: what workers call (the runtime socket, mode 0660)."""
+
+    Publish = _handler(rpc_store.publish, "Publish", streaming=True)
+    Lookup = _handler(rpc_store.lookup, "Lookup")
+    ReportCorruption = _handler(rpc_store.report_corruption, "ReportCorruption")
+    Session = _handler(rpc_leases.session, "Session", streaming=True)
+    AcquireLease = _handler(rpc_leases.acquire, "AcquireLease")
+    ReleaseLease = _handler(rpc_leases.release, "ReleaseLease")
+    ResolveSources = _handler(rpc_sources.resolve, "ResolveSources")
 
 
 class AdminServicer(_Base, pb_grpc.AdminServicer):
-    ListArtifacts = _handler("rpc_store", "list_artifacts", "ListArtifacts")
-    InspectArtifact = _handler("rpc_store", "inspect", "InspectArtifact")
-    VerifyArtifact = _handler("rpc_store", "verify", "VerifyArtifact", mutating=True)
-    DeleteArtifact = _handler("rpc_store", "delete", "DeleteArtifact", mutating=True)
-    ListLeases = _handler("rpc_leases", "list_leases", "ListLeases")
-    CollectGarbage = _handler("rpc_gc", "collect", "CollectGarbage", mutating=True)
-    GetStats = _handler("rpc_stats", "get_stats", "GetStats")
-    ListSources = _handler("rpc_sources", "list_records", "ListSources")
-    ForgetSource = _handler("rpc_sources", "forget", "ForgetSource", mutating=True)
+    """hwr.v1.Admin: what operators call; mutating calls only on the admin socket."""
+
+    ListArtifacts = _handler(rpc_store.list_artifacts, "ListArtifacts")
+    InspectArtifact = _handler(rpc_store.inspect, "InspectArtifact")
+    VerifyArtifact = _handler(rpc_store.verify, "VerifyArtifact")
+    DeleteArtifact = _handler(rpc_store.delete, "DeleteArtifact")
+    ListLeases = _handler(rpc_leases.list_leases, "ListLeases")
+    CollectGarbage = _handler(rpc_gc.collect, "CollectGarbage")
+    GetStats = _handler(rpc_stats.get_stats, "GetStats")
+    ListSources = _handler(rpc_sources.list_records, "ListSources")
+    ForgetSource = _handler(rpc_sources.forget, "ForgetSource")
 
 
-def add_to_server(server: grpc.Server, daemon: Any, *, admin: bool) -> None:
-    """Registers both services on ``server``."""
-    pb_grpc.add_RuntimeServicer_to_server(RuntimeServicer(daemon, admin=admin), server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(daemon, admin=admin), server)
+def add_to_server(server: grpc.Server, components: Components, *, ready: Callable[[], bool], admin: bool) -> None:
+    """Registers both services on ``server``.
+
+    Args:
+        server: a grpc server not yet started.
+        components: the daemon's components the handlers call.
+        ready: the daemon's readiness (recovery done).
+        admin: True for the admin socket (mutating admin rpcs allowed).
+    """
+    pb_grpc.add_RuntimeServicer_to_server(RuntimeServicer(components, ready=ready, admin=admin), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(components, ready=ready, admin=admin), server)

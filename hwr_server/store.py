@@ -16,6 +16,7 @@ changes what is visible; one lock (``_lock``) serializes those changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -24,7 +25,7 @@ import shutil
 import threading
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Iterator
 
 from hwr_client.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.core.identity import check_key
@@ -69,6 +70,28 @@ class VerifyResult:
     problems: tuple[str, ...]
     bytes_checked: int
     bad_blobs: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreFigures:
+    """What the store counts and holds; :func:`hwr_server.metrics.store_stats`
+    gives them their GetStats / Prometheus names."""
+
+    #: Publication outcome (committed, already_published, conflict,
+    #: rejected, failed) -> count since start.
+    publications: dict[str, int]
+    #: Payload bytes received by publications (counted at their end).
+    publication_bytes: int
+    #: Seconds spent in publications.
+    publication_seconds: float
+    #: Deep verifications that found corruption.
+    verify_failures: int
+    artifacts_published: int
+    artifacts_quarantined: int
+    #: Unique payload bytes of published artifacts (a shared blob once).
+    bytes_published: int
+    bytes_quarantined: int
+    bytes_staging: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +152,8 @@ class Store:
         for d in (self.blobs_dir, self.artifacts_dir, self.staging_dir, self.quarantine_dir):
             os.makedirs(d, mode=0o755, exist_ok=True)
         #: callable(nbytes) run at publication plan; raises ResourceExhausted.
-        #: The GC replaces it with one that collects first.
+        #: The daemon's wiring sets it once, before recovery, to the
+        #: collector's hook (which collects first, then calls this default).
         self.capacity_hook: Callable[[int], None] = self.default_capacity_hook
         self._lock = threading.RLock()
         self._index: dict[str, Manifest] = {}
@@ -138,13 +162,10 @@ class Store:
         self._pending_blobs: dict[str, set[str]] = {}  # key -> blobs installed, manifest not yet visible
         self._bad_blobs: set[str] = set()  # blobs a verification found corrupt
         self.publication_slots = threading.BoundedSemaphore(max(1, config.max_publications))
-        self._counters: dict[str, float] = {
-            f'hwr_publications_total{{outcome="{o}"}}': 0.0
-            for o in ("committed", "already_published", "conflict", "rejected", "failed")
-        }
-        self._counters.update(
-            {"hwr_publication_bytes_total": 0.0, "hwr_publication_seconds_total": 0.0, "hwr_verify_failures_total": 0.0}
-        )
+        self._outcomes = dict.fromkeys(("committed", "already_published", "conflict", "rejected", "failed"), 0)
+        self._publication_bytes = 0
+        self._publication_seconds = 0.0
+        self._verify_failures = 0
         self.last_recovery = None
         #: Test seam: callable(step) run at each commit step of a publication.
         self.failpoint: Callable[[str], None] | None = None
@@ -274,6 +295,15 @@ class Store:
             + sum(e.bytes for e in self.quarantine_entries())
         )
 
+    @contextlib.contextmanager
+    def delete_guard(self) -> Iterator[None]:
+        """Holds the store's lock around a caller's "is it pinned?" check and
+        its :meth:`delete`, so no lease grant can read the artifact
+        (:meth:`get` takes the same lock) in between. Re-entrant:
+        :meth:`delete` takes the lock again inside."""
+        with self._lock:
+            yield
+
     # -- capacity -------------------------------------------------------------
 
     def default_capacity_hook(self, nbytes: int) -> None:
@@ -399,10 +429,11 @@ class Store:
             self._quarantined = {k: v for k, v in self._quarantined.items() if v.entry != name}
 
     def count(self, outcome: str, *, nbytes: int = 0, seconds: float = 0.0) -> None:
+        """Counts one publication's end (``outcome`` as in :class:`StoreFigures`)."""
         with self._lock:
-            self._counters[f'hwr_publications_total{{outcome="{outcome}"}}'] += 1
-            self._counters["hwr_publication_bytes_total"] += nbytes
-            self._counters["hwr_publication_seconds_total"] += seconds
+            self._outcomes[outcome] += 1
+            self._publication_bytes += nbytes
+            self._publication_seconds += seconds
 
     # -- verify, quarantine, delete -------------------------------------------
 
@@ -419,7 +450,7 @@ class Store:
         with self._lock:
             self._bad_blobs.update(bad)
             if problems:
-                self._counters["hwr_verify_failures_total"] += 1
+                self._verify_failures += 1
         return VerifyResult(key, not problems, tuple(problems), checked, tuple(bad))
 
     def _threads(self) -> int:
@@ -532,18 +563,19 @@ class Store:
 
     # -- stats ----------------------------------------------------------------
 
-    def stats(self) -> dict[str, float]:
-        """Figures for GetStats / Prometheus (names in the team brief)."""
+    def figures(self) -> StoreFigures:
+        """Counters and sizes now (named for GetStats by hwr_server.metrics)."""
+        quarantined_bytes = sum(e.bytes for e in self.quarantine_entries())
+        staging_bytes = sum(e.bytes for e in self.staging_entries())
         with self._lock:
-            # Unique blob bytes: identical files are stored once.
-            published = sum({f.blob: f.size for m in self._index.values() for f in m.files}.values())
-            out = dict(self._counters)
-            out['hwr_artifacts{state="published"}'] = float(len(self._index))
-            out['hwr_artifacts{state="quarantined"}'] = float(len(self._quarantined))
-        out['hwr_store_bytes{state="published"}'] = float(published)
-        out['hwr_store_bytes{state="quarantined"}'] = float(sum(e.bytes for e in self.quarantine_entries()))
-        out['hwr_store_bytes{state="staging"}'] = float(sum(e.bytes for e in self.staging_entries()))
-        return out
+            return StoreFigures(
+                publications=dict(self._outcomes), publication_bytes=self._publication_bytes,
+                publication_seconds=self._publication_seconds, verify_failures=self._verify_failures,
+                artifacts_published=len(self._index), artifacts_quarantined=len(self._quarantined),
+                # Unique blob bytes: identical files are stored once.
+                bytes_published=sum({f.blob: f.size for m in self._index.values() for f in m.files}.values()),
+                bytes_quarantined=quarantined_bytes, bytes_staging=staging_bytes,
+            )
 
 
 def _check_entry(name: str) -> None:
@@ -551,4 +583,4 @@ def _check_entry(name: str) -> None:
         raise InvalidArgument(f"store entry {name!r}: expected a plain directory name")
 
 
-__all__ = ["ArtifactSummary", "DirEntry", "Store", "VerifyResult", "dir_bytes", "fsync_dir", "summary_of"]
+__all__ = ["ArtifactSummary", "DirEntry", "Store", "StoreFigures", "VerifyResult", "dir_bytes", "fsync_dir", "summary_of"]

@@ -10,7 +10,8 @@ import random
 import pytest
 
 from hwr_client.core.errors import NotFound
-from hwr_server.gc import ArtifactRecord, DirRecord, GcItem, Snapshot, execute, plan, reachable
+from hwr_server.gc import execute
+from hwr_server.gc_plan import ArtifactRecord, DirRecord, GcItem, Snapshot, plan, reachable
 
 MiB = 1 << 20
 

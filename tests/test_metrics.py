@@ -48,6 +48,13 @@ def _fake_daemon(tmp_path, **cfg) -> types.SimpleNamespace:
     )
 
 
+def _metrics(daemon: types.SimpleNamespace) -> Metrics:
+    """Metrics over the stand-in's components, wired as the daemon wires them."""
+    sources = [(n, getattr(daemon, n)) for n in ("store", "leases", "sources", "gc", "scrub")
+               if getattr(daemon, n) is not None]
+    return Metrics(daemon.config, [*sources, ("daemon", daemon)])
+
+
 def test_families_types_and_labels():
     fams = {f.name: f for f in families({'hwr_store_bytes{state="published"}': 7, "hwr_gc_runs_total": 2,
                                          "hwr_leases_active": 1, "nonsense{": 3, "hwr_x": "NaNish"})}
@@ -59,7 +66,7 @@ def test_families_types_and_labels():
 
 def test_render_merges_components_and_survives_a_broken_one(tmp_path):
     daemon = _fake_daemon(tmp_path)
-    m = daemon.metrics = Metrics(daemon)
+    m = daemon.metrics = _metrics(daemon)
     got = _parsed(m.render().decode())
     assert got[("hwr_store_bytes", (("state", "published"),))] == 100
     assert got[("hwr_publications_total", (("outcome", "committed"),))] == 3
@@ -71,7 +78,7 @@ def test_render_merges_components_and_survives_a_broken_one(tmp_path):
 @pytest.mark.parametrize("listen", ["0.0.0.0:9464", "10.1.2.3:9464", "[::]:9464", "example.com:9464", "9464", ":9464"])
 def test_non_loopback_listen_is_refused(tmp_path, listen):
     with pytest.raises(InvalidArgument, match="metrics_listen"):
-        Metrics(_fake_daemon(tmp_path, metrics_listen=listen))
+        _metrics(_fake_daemon(tmp_path, metrics_listen=listen))
 
 
 def test_loopback_forms_are_accepted():
@@ -81,7 +88,7 @@ def test_loopback_forms_are_accepted():
 
 
 def test_http_endpoint_on_loopback(tmp_path):
-    m = Metrics(_fake_daemon(tmp_path, metrics_listen="127.0.0.1:0"))
+    m = _metrics(_fake_daemon(tmp_path, metrics_listen="127.0.0.1:0"))
     m.start()
     try:
         host, port = m.address
@@ -96,7 +103,7 @@ def test_http_endpoint_on_loopback(tmp_path):
 
 def test_textfile_written_atomically(tmp_path):
     path = tmp_path / "prom" / "hwr.prom"
-    m = Metrics(_fake_daemon(tmp_path, metrics_textfile=str(path), metrics_textfile_interval_s=3600.0))
+    m = _metrics(_fake_daemon(tmp_path, metrics_textfile=str(path), metrics_textfile_interval_s=3600.0))
     m.start()  # first write at start
     assert _parsed(path.read_text())[("hwr_gc_runs_total", ())] == 2
     m.stop()  # last write at stop

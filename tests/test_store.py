@@ -19,6 +19,7 @@ from hwr_client.core.plan import check_plan, to_proto
 from hwr_client.tensors import build_plan, iter_payload
 from hwr_server import publication as publication_mod
 from hwr_server.config import ServerConfig
+from hwr_server.metrics import store_stats
 from hwr_server.publication import Coverage, Publication
 from hwr_server.store import Store
 from tests.conftest import identity, sample_tensors
@@ -125,7 +126,7 @@ def test_single_flight_and_already_published(tmp_path):
     again = Publication.begin(store, to_proto(plan))
     assert again.already_published and again.commit().already_published
     again.close()
-    assert store.stats()['hwr_publications_total{outcome="conflict"}'] == 1
+    assert store_stats(store.figures())['hwr_publications_total{outcome="conflict"}'] == 1
 
 
 def test_already_published_then_collected_before_commit_is_aborted(tmp_path):

@@ -1,0 +1,222 @@
+"""The seams between the daemon's components: one small ``Protocol`` each.
+
+Each component is handed the narrow interface it uses, never the whole
+concrete class, and :mod:`hwr_server.daemon` is the one place that builds the
+concrete components and wires them together. The protocols are structural:
+:class:`hwr_server.store.Store` and :class:`hwr_server.leases.LeaseManager`
+satisfy them without naming them, and a test fake satisfies them by having
+the same methods. What they buy is the type check: a component that calls a
+method its seam does not declare, or a store that stops offering one, is a
+mypy error in ``.ci/run`` instead of a protection that silently never runs
+(``getattr(store, "busy_keys", None)`` once looked for a method no store had).
+
+Seams::
+
+    GC        -> store:  GcStore        (snapshot, delete, delete_guard)
+    GC        -> leases: GcLeases       (pins, grace period, last use)
+    scrub     -> store:  ScrubStore     (keys, verify, quarantine)
+    scrub     -> leases: Pins           (pinned keys)
+    leases    -> store:  LeaseStore     (get, contains)
+    recovery  -> store:  RecoveryStore  (layout, load_index, quarantine)
+    metrics   -> each:   StatsSource    (flat figures)
+    daemon    -> each:   Lifecycle      (start, stop)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ContextManager, Mapping, Protocol, Sequence
+
+from hwr_client.core.manifest import Manifest
+
+#: Called with a publication's payload bytes at plan time, before anything is
+#: written; raises ResourceExhausted when they cannot fit.
+CapacityHook = Callable[[int], None]
+
+
+# -- records the seams exchange ---------------------------------------------------
+
+
+class DirInfo(Protocol):
+    """A staging or quarantine directory as the store lists it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def bytes(self) -> int: ...
+
+    @property
+    def in_flight(self) -> bool:
+        """Staging only: a publication (or a delete) is using it now."""
+        ...
+
+
+class VerifyOutcome(Protocol):
+    """The result of a deep verification of one artifact."""
+
+    @property
+    def ok(self) -> bool: ...
+
+    @property
+    def problems(self) -> tuple[str, ...]: ...
+
+    @property
+    def bytes_checked(self) -> int: ...
+
+    @property
+    def bad_blobs(self) -> tuple[str, ...]: ...
+
+
+# -- what components need of the store ----------------------------------------------
+
+
+class LeaseStore(Protocol):
+    """What the lease manager needs of the store."""
+
+    def get(self, key: str) -> tuple[Manifest, list[str]]:
+        """The manifest and blob paths of a published artifact.
+
+        Raises:
+            NotFound: not published. FailedPrecondition: quarantined.
+        """
+        ...
+
+    def contains(self, key: str) -> bool:
+        """Whether ``key`` is published now (re-checked after a grant)."""
+        ...
+
+
+class GcStore(Protocol):
+    """What garbage collection needs of the store."""
+
+    @property
+    def root(self) -> str:
+        """The store root; payload blobs live under ``blobs/sha256/``."""
+        ...
+
+    def keys(self) -> list[str]: ...
+
+    def get(self, key: str) -> tuple[Manifest, list[str]]: ...
+
+    def staging_entries(self) -> Sequence[DirInfo]: ...
+
+    def quarantine_entries(self) -> Sequence[DirInfo]: ...
+
+    def delete(self, key: str) -> int:
+        """Unpublishes ``key`` and unlinks the blobs nothing else references
+        (published artifacts and in-flight commits); returns bytes freed."""
+        ...
+
+    def remove_staging(self, name: str) -> bool: ...
+
+    def remove_quarantine(self, name: str) -> None: ...
+
+    def delete_guard(self) -> ContextManager[None]:
+        """Held around "is it pinned?" + :meth:`delete`: no lease grant can
+        read the artifact in between (see ``Store.delete_guard``)."""
+        ...
+
+
+class ScrubStore(Protocol):
+    """What the background scrub needs of the store."""
+
+    def keys(self) -> list[str]: ...
+
+    def verify(self, key: str) -> VerifyOutcome: ...
+
+    def quarantine(self, key: str, reason: str, *, bad_blobs: tuple[str, ...] = ()) -> str: ...
+
+
+class RecoveryStore(Protocol):
+    """What start-up recovery (:mod:`hwr_server.recovery`) needs of the store:
+    its layout, the index it rebuilds and quarantine for what fails checks."""
+
+    @property
+    def blobs_dir(self) -> str: ...
+
+    @property
+    def artifacts_dir(self) -> str: ...
+
+    @property
+    def staging_dir(self) -> str: ...
+
+    @property
+    def quarantine_dir(self) -> str: ...
+
+    def blob_path(self, digest: str) -> str: ...
+
+    def artifact_dir(self, key: str) -> str: ...
+
+    def load_index(self, manifests: dict[str, Manifest]) -> None: ...
+
+    def quarantine(self, key: str, reason: str, *, bad_blobs: tuple[str, ...] = (),
+                   manifest: Manifest | None = None) -> str: ...
+
+
+# -- what components need of the lease manager ----------------------------------------
+
+
+class Pins(Protocol):
+    """Which artifacts are pinned by a lease."""
+
+    def pinned_keys(self) -> set[str]:
+        """Keys with an attached lease or one awaiting re-attach."""
+        ...
+
+
+class LeaseHolder(Protocol):
+    """One lease as GC and delete see it."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def acquired_unix(self) -> int: ...
+
+
+class GcLeases(Pins, Protocol):
+    """What garbage collection needs of the lease manager."""
+
+    def holders(self, key: str) -> Sequence[LeaseHolder]:
+        """Leases on ``key`` now (checked again right before each delete)."""
+        ...
+
+    def in_grace(self) -> bool:
+        """True while leases from before a restart may still re-attach; GC
+        does not run then."""
+        ...
+
+    def grace_left_s(self) -> float: ...
+
+    def last_leased(self, key: str) -> int:
+        """Unix seconds of the last acquire or release of ``key``; 0 if never."""
+        ...
+
+
+# -- what the daemon needs of every component ----------------------------------------------
+
+
+class StatsSource(Protocol):
+    """A component with figures for GetStats and Prometheus."""
+
+    def stats(self) -> Mapping[str, float]:
+        """Flat figures keyed by Prometheus name with inline labels."""
+        ...
+
+
+class Lifecycle(Protocol):
+    """A component with background work: started after recovery, stopped at
+    shutdown in reverse order."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+__all__ = [
+    "CapacityHook", "DirInfo", "GcLeases", "GcStore", "LeaseHolder", "LeaseStore", "Lifecycle", "Pins",
+    "RecoveryStore", "ScrubStore", "StatsSource", "VerifyOutcome",
+]
