@@ -27,7 +27,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Any, Mapping
+from typing import AbstractSet, Any, Mapping
 
 from hwr_client.core.errors import InvalidArgument
 
@@ -83,7 +83,9 @@ def check_key(text: object) -> str:
     return text  # type: ignore[return-value]
 
 
-def _obj(doc: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
+def _obj(doc: Any, where: str, required: AbstractSet[str], optional: AbstractSet[str] = frozenset()) -> dict:
+    """``doc`` if it is an object with every ``required`` field and no field
+    outside ``required`` and ``optional``."""
     if not isinstance(doc, dict):
         raise InvalidArgument(f"identity {where}: expected an object, got {type(doc).__name__}")
     unknown = set(doc) - required - optional

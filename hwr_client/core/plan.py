@@ -108,7 +108,8 @@ def check_plan(plan: PlanSpec) -> CheckedPlan:
         layouts.append(layout_file(f.tensors))
     if plan.declared_content_digest and not re.match(r"^sha256:[0-9a-f]{64}$", plan.declared_content_digest):
         raise InvalidArgument("publication plan: declared_content_digest must be 'sha256:<64 hex>'")
-    checked, owner = [], {}
+    checked: list[CheckedBlock] = []
+    owner: dict[str, int] = {}  # tensor name -> the block that holds it
     for bi, b in enumerate(plan.blocks):
         if b.index != bi:
             raise InvalidArgument(f"publication plan: block {bi} has index {b.index}, expected {bi}")
