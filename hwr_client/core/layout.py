@@ -126,7 +126,8 @@ def _printable(text: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """A tensor as planned: name, safetensors dtype string, shape."""
+    """A tensor as planned: name, safetensors dtype string, shape (element
+    counts per dimension). Not checked on construction; :meth:`validate`."""
 
     name: str
     dtype: str
@@ -134,9 +135,15 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its data: elements × itemsize."""
         return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
     def validate(self) -> "TensorSpec":
+        """Returns self if name, dtype and shape are valid.
+
+        Raises:
+            InvalidArgument: naming the tensor and what is wrong.
+        """
         check_tensor_name(self.name)
         check_dtype(self.dtype)
         for dim in self.shape:
@@ -149,25 +156,30 @@ class TensorSpec:
 class FileLayout:
     """Where everything goes in one payload file.
 
-    ``tensor_offsets`` are relative to the data region, in plan order;
-    absolute file offset = ``data_start + offset``.
+    ``header`` is the 8-byte length prefix plus the padded JSON header;
+    ``tensor_offsets`` are RELATIVE to the data region, in plan order
+    (absolute file offset = ``data_start + offset``); ``data_size`` is the
+    data region's length in bytes, padding included.
     """
 
-    header: bytes  # the 8-byte length prefix plus the padded JSON header
+    header: bytes
     tensors: tuple[TensorSpec, ...]
     tensor_offsets: tuple[int, ...]
     data_size: int
 
     @property
     def data_start(self) -> int:
+        """Absolute offset of the data region (a multiple of ALIGN)."""
         return len(self.header)
 
     @property
     def file_size(self) -> int:
+        """Length of the whole file in bytes."""
         return len(self.header) + self.data_size
 
     def padding_ranges(self) -> list[tuple[int, int]]:
-        """Data-region ranges [begin, end) that hold alignment padding."""
+        """Ranges ``[begin, end)`` of alignment padding, RELATIVE to the data
+        region."""
         out, pos = [], 0
         for spec, off in zip(self.tensors, self.tensor_offsets):
             if off > pos:
@@ -179,6 +191,7 @@ class FileLayout:
 
 
 def _align(n: int) -> int:
+    """``n`` rounded up to a multiple of ALIGN."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -212,7 +225,8 @@ def layout_file(tensors: Sequence[TensorSpec]) -> FileLayout:
 
 @dataclasses.dataclass(frozen=True)
 class HeaderEntry:
-    """One tensor of a parsed safetensors header; offsets relative to data."""
+    """One tensor of a parsed safetensors header: name, dtype string, shape,
+    and its ``data_offsets`` ``[begin, end)``, RELATIVE to the data region."""
 
     name: str
     dtype: str
@@ -223,8 +237,15 @@ class HeaderEntry:
 
 @dataclasses.dataclass(frozen=True)
 class ParsedHeader:
+    """A safetensors header that :func:`parse_header` checked.
+
+    ``data_start`` is the absolute offset of the data region (8 + header
+    length); ``entries`` are sorted by ``begin``, padding tensors included;
+    ``metadata`` is the ``__metadata__`` object ({} when absent).
+    """
+
     data_start: int
-    entries: tuple[HeaderEntry, ...]  # sorted by begin, padding included
+    entries: tuple[HeaderEntry, ...]
     metadata: dict
 
     def tensors(self) -> list[HeaderEntry]:
