@@ -110,9 +110,11 @@ def test_plan_rejects_a_block_split_across_positions():
 
 
 # Names each rule of check_tensor_name refuses, and valid ones near them.
-TRICKY_NAMES = ["", "a/b", "a\\b", "a\x00b", "a\nb", "a\x7fb", "a..b", "..", "a.", ".a", "__hwr.x", "__hwrx", "x.__hwr",
-                "__metadata__", "__metadata__x", "_", "x" * 256, "x" * 257, "x" * 1024, "x" * 1025, "é" * 512, "é" * 513,
-                "😀" * 256, "😀" * 257, 'q"uote', "sp ace", "ü", "\u2028", "\ud800", "a\u00adb", 5, None, b"x", ["x"]]
+TRICKY_NAMES = [
+    "", "a/b", "a\\b", "a\x00b", "a\nb", "a\x7fb", "a..b", "..", "a.", ".a", "__hwr.x", "__hwrx", "x.__hwr",
+    "__metadata__", "__metadata__x", "_", "x" * 256, "x" * 257, "x" * 1024, "x" * 1025, "é" * 512, "é" * 513,
+    "😀" * 256, "😀" * 257, 'q"uote', "sp ace", "ü", "\u2028", "\ud800", "a\u00adb", 5, None, b"x", ["x"],
+]
 
 
 def _verdict(fn, arg):
