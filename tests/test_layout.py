@@ -12,7 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from hwr_client.core.errors import InvalidArgument
-from hwr_client.core.layout import ALIGN, MAX_HEADER_BYTES, TensorSpec, layout_file, parse_header
+from hwr_client.core.layout import (
+    ALIGN, MAX_HEADER_BYTES, TensorSpec, _printable, check_tensor_name, check_tensor_names, layout_file, parse_header,
+)
 from hwr_client.local import write_artifact
 from hwr_client.core.plan import BlockSpec, check_plan, derive_blocks
 from hwr_client.tensors import build_plan
@@ -105,3 +107,37 @@ def test_plan_rejects_a_block_split_across_positions():
 
     with pytest.raises(InvalidArgument, match="adjacent"):
         check_plan(dataclasses.replace(plan, blocks=(broken,)))
+
+
+# Names each rule of check_tensor_name refuses, and valid ones near them.
+TRICKY_NAMES = [
+    "", "a/b", "a\\b", "a\x00b", "a\nb", "a\x7fb", "a..b", "..", "a.", ".a", "__hwr.x", "__hwrx", "x.__hwr",
+    "__metadata__", "__metadata__x", "_", "x" * 256, "x" * 257, "x" * 1024, "x" * 1025, "é" * 512, "é" * 513,
+    "😀" * 256, "😀" * 257, 'q"uote', "sp ace", "ü", "\u2028", "\ud800", "a\u00adb", 5, None, b"x", ["x"],
+]
+
+
+def _verdict(fn, arg):
+    try:
+        fn(arg)
+    except InvalidArgument as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("position", [0, 1, 3])
+@pytest.mark.parametrize("odd", TRICKY_NAMES, ids=lambda n: repr(n)[:30])
+def test_check_tensor_names_is_check_tensor_name_for_each(odd, position):
+    """The bulk check accepts a list exactly when every name passes the rule,
+    and otherwise raises the rule's error for the first name that fails."""
+    names = ["blocks.0.w", "blocks.0.b", "final.norm"]
+    names.insert(position, odd)
+    first_bad = next((v for v in map(lambda n: _verdict(check_tensor_name, n), names) if v is not None), None)
+    assert _verdict(check_tensor_names, names) == first_bad
+
+
+def test_printable_is_isprintable():
+    for c in range(0x3000):
+        text = f"ab{chr(c)}cd"
+        assert _printable(text) == text.isprintable(), hex(c)
+    assert _printable("") and _printable("plain.ascii name~") and not _printable("a\x7f")

@@ -27,7 +27,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Any, Mapping
+from typing import AbstractSet, Any, Mapping
 
 from hwr_client.core.errors import InvalidArgument
 
@@ -53,6 +53,8 @@ def canonical_json(value: Any) -> bytes:
 
 
 def _reject_floats(value: Any, where: str) -> None:
+    """Raises InvalidArgument at the first float, non-str key or non-JSON
+    value in ``value``; ``where`` is its JSON path, for the message."""
     if isinstance(value, float):
         raise InvalidArgument(f"identity {where}: floats are not allowed in canonical JSON, got {value!r}")
     if isinstance(value, dict):
@@ -83,7 +85,9 @@ def check_key(text: object) -> str:
     return text  # type: ignore[return-value]
 
 
-def _obj(doc: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
+def _obj(doc: Any, where: str, required: AbstractSet[str], optional: AbstractSet[str] = frozenset()) -> dict:
+    """``doc`` if it is an object with every ``required`` field and no field
+    outside ``required`` and ``optional``."""
     if not isinstance(doc, dict):
         raise InvalidArgument(f"identity {where}: expected an object, got {type(doc).__name__}")
     unknown = set(doc) - required - optional
@@ -96,6 +100,7 @@ def _obj(doc: Any, where: str, required: set[str], optional: set[str] = frozense
 
 
 def _str(doc: dict, field: str, where: str) -> str:
+    """``doc[field]`` if it is a non-empty str."""
     value = doc[field]
     if not isinstance(value, str) or not value:
         raise InvalidArgument(f"identity {where}.{field}: expected a non-empty string, got {value!r}")
@@ -103,6 +108,7 @@ def _str(doc: dict, field: str, where: str) -> str:
 
 
 def _int(doc: dict, field: str, where: str, minimum: int) -> int:
+    """``doc[field]`` if it is an int (not a bool) of at least ``minimum``."""
     value = doc[field]
     # bool is an int subclass; True must not pass as 1.
     if isinstance(value, bool) or not isinstance(value, int):
@@ -114,8 +120,13 @@ def _int(doc: dict, field: str, where: str, minimum: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Identity:
-    """A validated identity document. Build with :meth:`from_dict` or
-    :meth:`from_json`; ``key`` and ``canonical`` are derived."""
+    """A validated identity document. Build with :meth:`from_dict`,
+    :meth:`from_json` or :meth:`coerce`.
+
+    ``document`` is the normalized document (sources sorted by name);
+    ``canonical`` its canonical JSON bytes; ``key`` their SHA-256 hex, the
+    artifact's name in the store.
+    """
 
     document: Mapping[str, Any]
     canonical: bytes
@@ -188,7 +199,11 @@ class Identity:
 
     @classmethod
     def coerce(cls, value: "Identity | Mapping[str, Any] | str | bytes") -> "Identity":
-        """Accepts an Identity, a dict document or its JSON text."""
+        """Accepts an Identity, a dict document or its JSON text.
+
+        Raises:
+            InvalidArgument: not JSON, or not a valid identity.
+        """
         if isinstance(value, Identity):
             return value
         if isinstance(value, (str, bytes)):
@@ -197,15 +212,19 @@ class Identity:
 
     @property
     def contract_name(self) -> str:
+        """The final-layout contract's name (``tiny-dit``)."""
         return self.document["contract"]["name"]
 
     @property
     def contract_version(self) -> int:
+        """The final-layout contract's version."""
         return self.document["contract"]["version"]
 
     def to_json(self) -> str:
+        """The canonical JSON as text (what the key is the digest of)."""
         return self.canonical.decode("utf-8")
 
 
 def _no_constant(name: str) -> None:
+    """Refuses NaN and Infinity, which Python's JSON parser otherwise takes."""
     raise ValueError(f"{name} is not allowed")

@@ -6,7 +6,7 @@ Everything the daemon needs to rebuild its index comes from manifests, so
 manifest that fails is treated as corrupt (the artifact is quarantined).
 
 Offsets in ``tensors`` and ``blocks`` are ABSOLUTE file offsets, so a reader
-that mapped the whole file indexes it directly.
+that mapped the whole file indexes it directly. Sizes are in bytes.
 """
 
 from __future__ import annotations
@@ -17,32 +17,40 @@ import json
 import operator
 import re
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, TypeVar
 
 from hwr_client.core.errors import InvalidArgument
 from hwr_client.core.identity import Identity
-from hwr_client.core.layout import DTYPE_SIZES, check_tensor_name
+from hwr_client.core.layout import DTYPE_SIZES, check_tensor_names
 
 if TYPE_CHECKING:
     from hwr_client.core.plan import CheckedPlan
 
+#: The manifest document's ``format`` and ``format_version``.
 FORMAT = "hwr-manifest"
 FORMAT_VERSION = 1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
-
-# For Manifest._from_doc_fast.
-_ITEMSIZES = DTYPE_SIZES
+# A document entry's fields, in the order of the dataclass that holds them.
 _TENSOR_FIELDS = operator.itemgetter("name", "file", "dtype", "shape", "offset", "nbytes", "sha256")
 _BLOCK_FIELDS = operator.itemgetter("index", "prefix", "file", "begin", "end", "xxh3_128", "tensors")
-_HEX_DIGITS = b"0123456789abcdef"
+_Entry = TypeVar("_Entry")
 
 
 @dataclasses.dataclass(frozen=True)
 class FileEntry:
+    """One payload file of an artifact (a safetensors file, stored as a blob).
+
+    ``index`` is its position in ``Manifest.files``; ``name`` the label the
+    plan gave it; ``blob`` the SHA-256 hex of the whole file, which is the
+    blob's name in the store; ``size`` its length in bytes; ``xxh3_128`` the
+    fast digest of the whole file (``verify=fast``); ``data_start`` the
+    absolute offset where its data region begins (after the header).
+    """
+
     index: int
-    name: str  # label from the plan
-    blob: str  # SHA-256 hex of the whole file; the blob's name in the store
+    name: str
+    blob: str
     size: int
     xxh3_128: str
     data_start: int
@@ -50,33 +58,56 @@ class FileEntry:
 
 @dataclasses.dataclass(frozen=True)
 class TensorEntry:
+    """One tensor of an artifact (padding tensors are never listed).
+
+    ``file`` indexes ``Manifest.files``; ``dtype`` is the safetensors dtype
+    string; ``offset`` is the ABSOLUTE byte offset of its first byte in that
+    file; ``nbytes`` its length in bytes (itemsize × elements); ``sha256`` the
+    SHA-256 hex of those bytes (``verify=full``).
+    """
+
     name: str
     file: int
     dtype: str
     shape: tuple[int, ...]
-    offset: int  # absolute offset in the file
+    offset: int
     nbytes: int
     sha256: str
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockEntry:
+    """One streamable block: tensors adjacent in one file, copied as one
+    byte range (the unit the offload runtime moves).
+
+    ``index`` is its position in ``Manifest.blocks`` (execution order);
+    ``prefix`` the name prefix its tensors share (``blocks.3.``); ``begin``
+    and ``end`` ABSOLUTE offsets in file ``file``, the range ``[begin, end)``;
+    ``xxh3_128`` the fast digest of that range; ``tensors`` the names in
+    layout order.
+    """
+
     index: int
     prefix: str
     file: int
-    begin: int  # absolute offsets, [begin, end)
+    begin: int
     end: int
     xxh3_128: str
-    tensors: tuple[str, ...]  # names in layout order
+    tensors: tuple[str, ...]
 
     @property
     def nbytes(self) -> int:
+        """Length of the block's byte range."""
         return self.end - self.begin
 
 
 def content_digest(tensors: Iterable[tuple[str, str, Iterable[int], str]]) -> str:
     """Digest over (name, dtype, shape, tensor sha256), independent of how
-    tensors are split into files or ordered: ``sha256:<hex>``."""
+    tensors are split into files or ordered: ``sha256:<hex>``.
+
+    Raises:
+        InvalidArgument: a row that is not strings and integer dims.
+    """
     rows = sorted([name, dtype, list(shape), sha] for name, dtype, shape, sha in tensors)
     for row in rows:
         # The rows are strings and integers only; checking that here instead
@@ -89,7 +120,10 @@ def content_digest(tensors: Iterable[tuple[str, str, Iterable[int], str]]) -> st
 
 
 # json.dumps(rows, **these options) builds this same encoder on every call.
-_DIGEST_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+# Rows are flat, so the cycle check (check_circular) has nothing to find:
+# skipping it gives the same text, faster.
+_DIGEST_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
+                                   check_circular=False)
 
 
 def _digest_sorted_rows(rows: list) -> str:
@@ -101,6 +135,15 @@ def _digest_sorted_rows(rows: list) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
+    """A validated artifact manifest. Build with :meth:`from_json` (reading)
+    or :func:`build_manifest` (publishing); :meth:`to_json` writes it.
+
+    ``key`` is the identity key; ``content_digest`` is
+    :func:`content_digest` of the tensors; ``created_unix`` is seconds since
+    the epoch; ``files``, ``tensors`` and ``blocks`` hold the entries in
+    order (tensors in layout order, blocks in execution order).
+    """
+
     key: str
     identity: Identity
     content_digest: str
@@ -111,15 +154,23 @@ class Manifest:
 
     @property
     def size_bytes(self) -> int:
+        """Bytes the artifact's files hold together."""
         return sum(f.size for f in self.files)
 
     def tensor(self, name: str) -> TensorEntry:
+        """The entry of tensor ``name``.
+
+        Raises:
+            KeyError: no tensor has that name.
+        """
         for t in self.tensors:
             if t.name == name:
                 return t
         raise KeyError(name)
 
     def to_json(self) -> str:
+        """The manifest document as the daemon writes it (sorted keys, one
+        trailing newline); :meth:`from_json` reads it back equal."""
         doc = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -143,7 +194,12 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, *, what: str = "manifest") -> "Manifest":
-        """Parses and validates a manifest.
+        """Parses and validates a manifest: every field, every cross-reference
+        and the content digest.
+
+        Args:
+            text: the manifest's JSON.
+            what: names the manifest in errors (``artifact 3f2a… manifest``).
 
         Raises:
             InvalidArgument: naming ``what`` and the first problem.
@@ -153,181 +209,208 @@ class Manifest:
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"{what}: not valid JSON ({exc})") from None
         try:
-            # The fast path vouches only for manifests the full check accepts,
-            # with the same result; for anything else (a problem, or a value
-            # it does not handle) the full check runs and says what is wrong.
-            manifest = cls._from_doc_fast(doc)
-            return manifest if manifest is not None else cls._from_doc(doc, what)
+            return _from_doc(doc, what)
         except InvalidArgument:
             raise
         except (TypeError, KeyError, ValueError, AttributeError) as exc:
+            # A field of the wrong JSON type or a missing one: the operation
+            # on it fails, and that is the problem to report.
             raise InvalidArgument(f"{what}: malformed ({type(exc).__name__}: {exc})") from None
 
-    @classmethod
-    def _from_doc_fast(cls, doc: Any) -> "Manifest | None":
-        """:meth:`_from_doc` for well-formed manifests (every warm start): one
-        pass over the tensors, names and hashes checked all at once, entries
-        made without the frozen dataclasses' per-field ``__init__``.
 
-        Args:
-            doc: what ``json.loads`` returned.
+# ------------------------------------------------------------------ reading
+#
+# One validator, fast enough for every warm start (~1000 tensors). The rules
+# are check_tensor_name, _HEX64/_HEX32 and the comparisons below, each
+# applied to every entry. Speed comes from how the document is walked, never
+# from a second set of rules: names and hashes first go through bulk string
+# checks that can only vouch (where one does not, the rule itself decides,
+# item by item); then one pass over the tensors takes fields by itemgetter,
+# makes entries without the dataclass __init__ and writes the digest rows.
+# The checks compare the raw JSON values, so a value of another type that
+# compares the same (``True`` for 1, ``4.0`` for 4) passes and is kept as
+# given, as it always was.
 
-        Returns the manifest :meth:`_from_doc` would return, or None where
-        :meth:`_from_doc` might reject the document or where a value falls
-        outside the plain cases handled here (a shape that is not a list of
-        ints, a name of over 256 characters or with a '"', ...). It never
-        raises; on None the caller runs :meth:`_from_doc`, which accepts or
-        reports the first problem exactly as it always has.
-        """
-        try:
-            return cls._from_doc_fast_unchecked(doc)
-        except Exception:  # noqa: BLE001 - anything unexpected: let the full check decide
-            return None
 
-    @classmethod
-    def _from_doc_fast_unchecked(cls, doc: Any) -> "Manifest | None":
-        if type(doc) is not dict or doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
-            return None
-        identity = Identity.from_dict(doc["identity"])
-        key = doc["key"]
-        if identity.key != key:
-            return None
-        doc_files, doc_tensors, doc_blocks = doc["files"], doc["tensors"], doc["blocks"]
-        if type(doc_files) is not list or type(doc_tensors) is not list or type(doc_blocks) is not list:
-            return None
-        if not doc_files or not doc_tensors:
-            return None
-        files = tuple(FileEntry(**f) for f in doc_files)
-        for i, f in enumerate(files):
-            if f.index != i or not _HEX64.match(f.blob) or not _HEX32.match(f.xxh3_128) or f.size <= 0:
-                return None
-        n_files = len(files)
-        data_starts = [f.data_start for f in files]
-        sizes = [f.size for f in files]
+def _from_doc(doc: Any, what: str) -> Manifest:
+    """Validates a parsed manifest document and builds the manifest.
 
-        new, setattr_, itemsizes, fields = object.__new__, object.__setattr__, _ITEMSIZES, _TENSOR_FIELDS
-        tensors, names, shas, rows = [], [], [], []
-        for t in doc_tensors:
-            name, file, dtype, shape, offset, nbytes, sha = fields(t)
-            # The same operations on the same values as in _from_doc, except
-            # where noted; names and hashes are checked together below.
-            size = itemsizes.get(dtype)
-            if size is None or type(shape) is not list or not (0 <= file < n_files):
-                return None
-            for d in shape:
-                if type(d) is not int or d < 0:
-                    return None
-                size *= d
-            if size != nbytes or offset < data_starts[file] or offset + nbytes > sizes[file]:
-                return None
-            entry = new(TensorEntry)
-            # What the dataclass __init__ stores, in field order.
-            setattr_(entry, "__dict__", {"name": name, "file": file, "dtype": dtype, "shape": tuple(shape),
-                                          "offset": offset, "nbytes": nbytes, "sha256": sha})
-            tensors.append(entry)
-            names.append(name)
-            shas.append(sha)
-            # The content digest's JSON row as its encoder writes it, given
-            # int dims (list repr "[2, 3]") and the names and hashes checked
-            # below: JSON escapes none of their characters.
-            rows.append(f'["{name}","{dtype}",{str(shape).replace(" ", "")},"{sha}"]')
-        # check_tensor_name for every name at once: each is a non-empty str
-        # (str.join takes nothing else) of at most 256 characters, so of at
-        # most 1024 UTF-8 bytes. Joined by "/", which no name may contain
-        # (hence the count), the text is printable (NUL is not) and has no
-        # "\\" or ".." (one cannot span a "/") exactly when every name
-        # qualifies; "/__hwr" finds the reserved prefix at any name's start.
-        # A '"' is allowed, but JSON escapes it: the full check takes those.
-        joined = "/" + "/".join(names)
-        if (max(map(len, names)) > 256 or not all(names) or joined.count("/") != len(names)
-                or not joined.isprintable() or "\\" in joined or ".." in joined or "/__hwr" in joined
-                or '"' in joined):
-            return None
-        seen = set(names)
-        if len(seen) != len(names) or "__metadata__" in seen:
-            return None  # a duplicate or reserved name
-        # _HEX64 for every hash at once: 64 characters each (str.join takes
-        # only str), all of them ASCII and, deleting hex digits, none left.
-        if set(map(len, shas)) != {64} or "".join(shas).encode("ascii").translate(None, _HEX_DIGITS):
-            return None
+    Raises:
+        InvalidArgument: naming ``what`` and the first problem; a field of the
+            wrong type or a missing one raises TypeError, KeyError, ValueError
+            or AttributeError instead, which :meth:`Manifest.from_json` reports.
+    """
+    if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
+        raise InvalidArgument(f"{what}: expected format {FORMAT!r} version {FORMAT_VERSION}")
+    identity = Identity.from_dict(doc["identity"])
+    if identity.key != doc["key"]:
+        raise InvalidArgument(f"{what}: key {doc['key']!r} does not match its identity (expected {identity.key})")
+    files = _files(doc["files"], what)
+    tensors, names, digest = _tensors(doc["tensors"], files, what)
+    blocks = _blocks(doc["blocks"], files, names, what)
+    if digest != doc["content_digest"]:
+        raise InvalidArgument(f"{what}: content_digest {doc['content_digest']!r}, expected {digest} from its tensors")
+    created = doc["created_unix"]
+    if isinstance(created, bool) or not isinstance(created, int):
+        raise InvalidArgument(f"{what}: created_unix must be an integer")
+    return Manifest(doc["key"], identity, digest, created, files, tensors, blocks)
 
-        blocks = []
-        hex32 = _HEX32.match
-        for i, b in enumerate(doc_blocks):
-            index, prefix, file, begin, end, xxh, block_names = _BLOCK_FIELDS(b)
-            if index != i or not (0 <= file < n_files) or not (0 <= begin <= end <= sizes[file]):
-                return None
-            block_names = tuple(block_names)
-            if not hex32(xxh) or not block_names or not seen.issuperset(block_names):
-                return None
-            entry = new(BlockEntry)
-            setattr_(entry, "__dict__", {"index": index, "prefix": prefix, "file": file, "begin": begin, "end": end,
-                                          "xxh3_128": xxh, "tensors": block_names})
-            blocks.append(entry)
 
-        # content_digest's text, byte for byte: names are unique, so ordering
-        # by name alone is the order sorted() gives its rows.
-        order = sorted(range(len(names)), key=names.__getitem__)
-        text = "[" + ",".join([rows[i] for i in order]) + "]"
-        digest = "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
-        if digest != doc["content_digest"]:
-            return None
-        created = doc["created_unix"]
-        if type(created) is not int:
-            return None
-        return cls(key, identity, digest, created, files, tuple(tensors), tuple(blocks))
+def _files(doc_files: Any, what: str) -> tuple[FileEntry, ...]:
+    """The file entries, checked: at least one, in index order, digests in
+    lowercase hex, a positive size."""
+    files = tuple(FileEntry(**f) for f in doc_files)
+    if not files:
+        raise InvalidArgument(f"{what}: expected at least one file")
+    for i, f in enumerate(files):
+        if f.index != i or not _HEX64.match(f.blob) or not _HEX32.match(f.xxh3_128) or f.size <= 0:
+            raise InvalidArgument(f"{what}: file {i} entry is malformed: {f}")
+    return files
 
-    @classmethod
-    def _from_doc(cls, doc: dict[str, Any], what: str) -> "Manifest":
-        if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
-            raise InvalidArgument(f"{what}: expected format {FORMAT!r} version {FORMAT_VERSION}")
-        identity = Identity.from_dict(doc["identity"])
-        if identity.key != doc["key"]:
-            raise InvalidArgument(f"{what}: key {doc['key']!r} does not match its identity (expected {identity.key})")
-        files = tuple(FileEntry(**f) for f in doc["files"])
-        if not files:
-            raise InvalidArgument(f"{what}: expected at least one file")
-        for i, f in enumerate(files):
-            if f.index != i or not _HEX64.match(f.blob) or not _HEX32.match(f.xxh3_128) or f.size <= 0:
-                raise InvalidArgument(f"{what}: file {i} entry is malformed: {f}")
-        tensors = tuple(
-            TensorEntry(t["name"], t["file"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"], t["sha256"])
-            for t in doc["tensors"]
-        )
-        if not tensors:
-            raise InvalidArgument(f"{what}: expected at least one tensor")
-        seen = set()
-        for t in tensors:
-            check_tensor_name(t.name)
-            if t.name in seen:
-                raise InvalidArgument(f"{what}: duplicate tensor {t.name!r}")
-            seen.add(t.name)
-            if t.dtype not in DTYPE_SIZES or not (0 <= t.file < len(files)) or not _HEX64.match(t.sha256):
-                raise InvalidArgument(f"{what}: tensor {t.name!r} entry is malformed")
-            if not all(type(d) is int and d >= 0 for d in t.shape):
-                raise InvalidArgument(f"{what}: tensor {t.name!r} shape {list(t.shape)} must hold integers >= 0")
-            size = DTYPE_SIZES[t.dtype]
-            for d in t.shape:
-                size *= d
-            f = files[t.file]
-            if size != t.nbytes or t.offset < f.data_start or t.offset + t.nbytes > f.size:
-                raise InvalidArgument(f"{what}: tensor {t.name!r} range {t.offset}+{t.nbytes} does not fit file {t.file}")
-        blocks = tuple(
-            BlockEntry(b["index"], b["prefix"], b["file"], b["begin"], b["end"], b["xxh3_128"], tuple(b["tensors"]))
-            for b in doc["blocks"]
-        )
-        for i, b in enumerate(blocks):
-            if b.index != i or not (0 <= b.file < len(files)) or not (0 <= b.begin <= b.end <= files[b.file].size):
-                raise InvalidArgument(f"{what}: block {i} entry is malformed")
-            if not _HEX32.match(b.xxh3_128) or not b.tensors or any(n not in seen for n in b.tensors):
-                raise InvalidArgument(f"{what}: block {i} entry is malformed")
-        digest = content_digest((t.name, t.dtype, t.shape, t.sha256) for t in tensors)
-        if digest != doc["content_digest"]:
-            raise InvalidArgument(f"{what}: content_digest {doc['content_digest']!r}, expected {digest} from its tensors")
-        created = doc["created_unix"]
-        if isinstance(created, bool) or not isinstance(created, int):
-            raise InvalidArgument(f"{what}: created_unix must be an integer")
-        return cls(doc["key"], identity, digest, created, files, tensors, blocks)
+
+def _tensors(doc_tensors: Any, files: tuple[FileEntry, ...], what: str,
+             ) -> tuple[tuple[TensorEntry, ...], set[str], str]:
+    """The tensor entries, checked; the set of their names; their content
+    digest (for the caller to compare with the document's).
+
+    Each tensor, after :func:`_names_and_hashes`: a known dtype; an existing
+    file; integer dims >= 0; ``nbytes`` = itemsize × elements; its bytes
+    inside its file's data region.
+    """
+    names, seen, plain = _names_and_hashes(doc_tensors, what)
+    n_files, itemsizes, fields = len(files), DTYPE_SIZES, _TENSOR_FIELDS
+    data_starts, sizes = [f.data_start for f in files], [f.size for f in files]
+    new, set_dict = object.__new__, object.__setattr__
+    tensors: list[TensorEntry] = []
+    rows: list[str] = []
+    dims_text: dict[tuple[int, ...], str] = {}
+    for t in doc_tensors:
+        name, file, dtype, doc_shape, offset, nbytes, sha = fields(t)
+        shape = tuple(doc_shape)
+        size = itemsizes.get(dtype)
+        if size is None or not (0 <= file < n_files):
+            raise InvalidArgument(f"{what}: tensor {name!r} entry is malformed")
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise InvalidArgument(f"{what}: tensor {name!r} shape {list(shape)} must hold integers >= 0")
+            size *= d
+        if size != nbytes or offset < data_starts[file] or offset + nbytes > sizes[file]:
+            raise InvalidArgument(f"{what}: tensor {name!r} range {offset}+{nbytes} does not fit file {file}")
+        # _frozen, inline: a call per tensor would cost a tenth of the pass.
+        entry = new(TensorEntry)
+        set_dict(entry, "__dict__", {"name": name, "file": file, "dtype": dtype, "shape": shape, "offset": offset,
+                                     "nbytes": nbytes, "sha256": sha})
+        tensors.append(entry)
+        if plain:
+            dims = dims_text.get(shape)
+            if dims is None:  # a thousand tensors have a few dozen shapes
+                dims = dims_text[shape] = str(list(shape)).replace(" ", "")
+            rows.append(f'["{name}","{dtype}",{dims},"{sha}"]')
+    if not tensors:
+        raise InvalidArgument(f"{what}: expected at least one tensor")
+    return tuple(tensors), seen, _tensor_digest(names, tensors, rows if plain else None)
+
+
+def _names_and_hashes(doc_tensors: Any, what: str) -> tuple[list[str], set[str], bool]:
+    """Checks every tensor's name (safe, unique) and SHA-256 (lowercase hex),
+    all at once; returns the names in order, their set, and whether the
+    digest rows can be written without JSON escaping.
+
+    The rows can where no string in them needs escaping: valid names are
+    printable and have no "\\", so only a '"' would; hashes that are plain
+    hex need none. (The rule lets a hash end in a newline: ``$`` matches
+    before one.)
+    """
+    names = list(map(_NAME, doc_tensors))
+    try:
+        check_tensor_names(names)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{what}: {exc}") from None
+    seen = set(names)
+    if len(seen) != len(names):
+        raise InvalidArgument(f"{what}: duplicate tensor {_first_duplicate(names)!r}")
+    shas = list(map(_SHA256, doc_tensors))
+    plain_shas = _all_hex64(shas)
+    if not plain_shas:
+        for name, sha in zip(names, shas):
+            if not _HEX64.match(sha):
+                raise InvalidArgument(f"{what}: tensor {name!r} entry is malformed")
+    return names, seen, plain_shas and '"' not in "".join(names)
+
+
+def _tensor_digest(names: list[str], tensors: list[TensorEntry], rows: list[str] | None) -> str:
+    """:func:`content_digest` of checked tensors; ``rows``, where given, are
+    their JSON rows in tensor order, strings needing no escaping.
+
+    The names are unique and all str, so ordering by name alone is the order
+    sorted() gives content_digest's rows, and the types are what it checks.
+    A row without escapes is its strings in quotes and its dims as a list of
+    ints prints, without spaces: the encoder's bytes, without its per-value cost.
+    """
+    order = sorted(range(len(names)), key=names.__getitem__)
+    if rows is None:
+        return _digest_sorted_rows([(t.name, t.dtype, t.shape, t.sha256) for t in map(tensors.__getitem__, order)])
+    text = "[" + ",".join([rows[i] for i in order]) + "]"
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+_NAME = operator.itemgetter("name")
+_SHA256 = operator.itemgetter("sha256")
+_HEX_DIGITS = b"0123456789abcdef"
+
+
+def _all_hex64(texts: list[Any]) -> bool:
+    """True only if ``_HEX64`` matches every text (False says nothing): each
+    is a str (``str.join`` takes nothing else) of 64 characters, and the
+    whole is ASCII with nothing left once the lowercase hex digits are
+    deleted."""
+    try:
+        joined = "".join(texts)
+    except TypeError:
+        return False
+    return (set(map(len, texts)) == {64} and joined.isascii()
+            and not joined.encode("ascii").translate(None, _HEX_DIGITS))
+
+
+def _first_duplicate(names: list[str]) -> str:
+    """The first name in ``names`` that an earlier one repeats."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    raise AssertionError("no duplicate")  # the caller saw one
+
+
+def _blocks(doc_blocks: Any, files: tuple[FileEntry, ...], names: set[str], what: str) -> tuple[BlockEntry, ...]:
+    """The block entries, checked: in index order, a range inside an existing
+    file, a lowercase-hex xxh3_128, at least one tensor, all of them known."""
+    blocks = []
+    for i, b in enumerate(doc_blocks):
+        index, prefix, file, begin, end, xxh, doc_tensors = _BLOCK_FIELDS(b)
+        tensors = tuple(doc_tensors)
+        if index != i or not (0 <= file < len(files)) or not (0 <= begin <= end <= files[file].size):
+            raise InvalidArgument(f"{what}: block {i} entry is malformed")
+        if not _HEX32.match(xxh) or not tensors or not names.issuperset(tensors):
+            raise InvalidArgument(f"{what}: block {i} entry is malformed")
+        blocks.append(_frozen(BlockEntry, {"index": index, "prefix": prefix, "file": file, "begin": begin,
+                                           "end": end, "xxh3_128": xxh, "tensors": tensors}))
+    return tuple(blocks)
+
+
+def _frozen(cls: type[_Entry], values: dict[str, Any]) -> _Entry:
+    """An instance of the frozen dataclass ``cls`` whose fields are
+    ``values`` (every field, in field order): what its generated
+    ``__init__`` stores, at half the cost (that ``__init__`` goes through
+    ``object.__setattr__`` once per field). Used only for the entry classes,
+    which have neither ``__post_init__`` nor ``__slots__``."""
+    entry = object.__new__(cls)
+    # A frozen dataclass's __setattr__ refuses every field; object's does not.
+    object.__setattr__(entry, "__dict__", values)
+    return entry
+
+
+# ------------------------------------------------------------------ writing
 
 
 def build_manifest(

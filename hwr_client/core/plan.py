@@ -30,6 +30,10 @@ _BLOCK_NAME = re.compile(r"^((?:.*\.)?(?:blocks|layers|transformer_blocks|single
 
 @dataclasses.dataclass(frozen=True)
 class FileSpec:
+    """One payload file as planned: a label, its tensors in layout order,
+    and optionally the SHA-256 hex the client expects for the whole file
+    (empty when not declared; checked at commit when given)."""
+
     name: str
     tensors: tuple[TensorSpec, ...]
     declared_sha256: str = ""
@@ -37,6 +41,10 @@ class FileSpec:
 
 @dataclasses.dataclass(frozen=True)
 class BlockSpec:
+    """One streamable block as planned: its position in execution order,
+    the name prefix its tensors share (``blocks.3.``) and their names, which
+    must be adjacent and in order in one file."""
+
     index: int
     prefix: str
     tensors: tuple[str, ...]
@@ -44,6 +52,15 @@ class BlockSpec:
 
 @dataclasses.dataclass(frozen=True)
 class PlanSpec:
+    """A publication plan: which tensors go into which file, in what order,
+    and which form each block. Unchecked; :func:`check_plan` checks it.
+
+    ``ordered``: the payload arrives strictly in file and offset order, so
+    the daemon hashes while writing (otherwise it hashes by read-back).
+    ``declared_content_digest``: the ``sha256:<hex>`` content digest the
+    client expects, checked at commit; empty if none.
+    """
+
     identity: Identity
     files: tuple[FileSpec, ...]
     blocks: tuple[BlockSpec, ...]
@@ -53,22 +70,30 @@ class PlanSpec:
 
 @dataclasses.dataclass(frozen=True)
 class CheckedBlock:
+    """A block of a checked plan with its byte range: ``[begin, end)`` are
+    ABSOLUTE offsets in file ``file`` (header included), from the first
+    tensor's first byte to the last tensor's last."""
+
     index: int
     prefix: str
     file: int
-    begin: int  # absolute file offsets
+    begin: int
     end: int
     tensors: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckedPlan:
+    """A plan that passed :func:`check_plan`, with one aligned layout per
+    file (same order as ``plan.files``) and the blocks' byte ranges."""
+
     plan: PlanSpec
     layouts: tuple[FileLayout, ...]
     blocks: tuple[CheckedBlock, ...]
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of all payload files together, headers included."""
         return sum(lay.file_size for lay in self.layouts)
 
 
@@ -108,7 +133,8 @@ def check_plan(plan: PlanSpec) -> CheckedPlan:
         layouts.append(layout_file(f.tensors))
     if plan.declared_content_digest and not re.match(r"^sha256:[0-9a-f]{64}$", plan.declared_content_digest):
         raise InvalidArgument("publication plan: declared_content_digest must be 'sha256:<64 hex>'")
-    checked, owner = [], {}
+    checked: list[CheckedBlock] = []
+    owner: dict[str, int] = {}  # tensor name -> the block that holds it
     for bi, b in enumerate(plan.blocks):
         if b.index != bi:
             raise InvalidArgument(f"publication plan: block {bi} has index {b.index}, expected {bi}")
@@ -136,6 +162,7 @@ def check_plan(plan: PlanSpec) -> CheckedPlan:
 
 
 def to_proto(plan: PlanSpec) -> pb.PublishPlan:
+    """The wire form of ``plan`` (:func:`from_proto` reads it back)."""
     return pb.PublishPlan(
         identity_json=plan.identity.to_json(),
         files=[
