@@ -366,3 +366,16 @@ def test_reference_writer_temp_names_are_unique_per_attempt(tmp_path, monkeypatc
             with open(path, "rb") as fh:
                 assert hashlib.sha256(fh.read()).hexdigest() == f.blob
     assert not [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+
+
+def test_recovery_quarantines_entries_that_are_not_artifacts(tmp_path):
+    """A stray file or a directory with a non-key name under artifacts/ goes
+    to quarantine through the same sequence, each into its own entry."""
+    store = make_store(tmp_path)
+    open(os.path.join(store.artifacts_dir, "notes.txt"), "w").close()
+    os.mkdir(os.path.join(store.artifacts_dir, "not-a-key"))
+    report = Store(store.config).recover()
+    assert report.quarantined == 2 and os.listdir(store.artifacts_dir) == []
+    entries = sorted(os.listdir(store.quarantine_dir))
+    assert [e.split(".")[:2] for e in entries] == [["not-a-key", "unknown-entry"], ["notes_txt", "unknown-entry"]]
+    assert all(os.path.lexists(os.path.join(store.quarantine_dir, e, "artifact")) for e in entries)
