@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
+import uuid
 from typing import Mapping
 
 import torch
@@ -32,16 +32,24 @@ def write_artifact(directory: str, plan: PlanSpec, tensors: Mapping[str, torch.T
     file_digests, paths = [], []
     tensor_digests = {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in tensors.items()}
     for lay in checked.layouts:
-        tmp = os.path.join(directory, f".tmp-{os.getpid()}")
+        # A temp name per attempt (not per process): two writers in one
+        # process, or a thread and a forked child, never share a file.
+        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
         sha, xxh = hashlib.sha256(lay.header), xxhash.xxh3_128(lay.header)
-        with open(tmp, "wb") as f:
-            f.write(lay.header)
-            for _, data in iter_payload(lay, tensors, CHUNK):
-                f.write(data)
-                sha.update(data)
-                xxh.update(data)
-        path = os.path.join(directory, sha.hexdigest())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "xb") as f:
+                f.write(lay.header)
+                for _, data in iter_payload(lay, tensors, CHUNK):
+                    f.write(data)
+                    sha.update(data)
+                    xxh.update(data)
+            path = os.path.join(directory, sha.hexdigest())
+            # The file is named by its content only once it is whole.
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
         file_digests.append((sha.hexdigest(), xxh.hexdigest()))
         paths.append(path)
     block_xxh = []

@@ -1,5 +1,10 @@
 """``hwr serve``: the only place the daemon reads flags, the config file and
-the environment."""
+the environment.
+
+``HWR_FAILPOINT=<name>`` (testing only) arms one failpoint of
+:mod:`hwr_server.failpoints`: the daemon kills itself with SIGKILL when it
+reaches that step. An unknown name exits 2 before anything starts.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import sys
 
 from hwr_client.core.errors import HwrError
 from hwr_client.core.defaults import parse_size
+from hwr_server import failpoints
 from hwr_server.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -49,8 +55,25 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        arm_failpoint(os.environ.get("HWR_FAILPOINT", ""))
         return serve(config, dict(os.environ))
     except HwrError as exc:
         log.error("%s", exc)
         print(f"hwr serve: {exc}", file=sys.stderr)
         return 2
+
+
+def arm_failpoint(name: str) -> None:
+    """Arms ``name`` (empty: none) so the daemon dies there (crash tests).
+
+    Raises:
+        InvalidArgument: not a failpoint name; the message lists where the
+            names are.
+    """
+    if not name:
+        return
+    try:
+        failpoints.arm(name)
+    except HwrError as exc:
+        raise type(exc)(f"HWR_FAILPOINT: {exc}") from None
+    log.warning("failpoint %s armed: this daemon kills itself with SIGKILL when it gets there (testing only)", name)

@@ -10,14 +10,12 @@ Unordered mode: chunks carry offsets, are written with ``pwrite`` and their
 coverage is tracked (an overlap is refused at once, a gap at commit); the
 files are hashed at commit by a parallel read-back.
 
-Commit, in this order (the durability order):
-  1. every byte received, every digest computed, every payload fsynced;
-  2. declared digests checked (FAILED_PRECONDITION on mismatch);
-  3. payloads moved into blobs/ (or dropped when the blob exists), blobs/ fsynced;
-  4. manifest written and fsynced, its directory fsynced;
-  5. artifact directory renamed into artifacts/, artifacts/ fsynced (publish point);
-  6. only then the reply.
-Any failure before 5 leaves nothing visible and removes the staging directory.
+Commit: every byte received and every digest computed; declared digests
+checked (FAILED_PRECONDITION on mismatch); the manifest built; then the
+durable commit of :func:`hwr_server.commit.publish` (payload fsync, blobs/,
+manifest, the rename into artifacts/, its fsync, the index), and only then
+the reply. Any failure before the publish point leaves nothing visible and
+removes the staging directory and the blobs this attempt moved.
 
 The hashers live in :mod:`hwr_server.hashing` (deep verification uses them too).
 """
@@ -47,8 +45,8 @@ from hwr_client.core.errors import (
     ResourceExhausted,
 )
 from hwr_client.core.manifest import build_manifest
-from hwr_client.core.manifest import Manifest
 from hwr_client.core.plan import CheckedPlan, check_plan, from_proto
+from hwr_server import commit as durable
 from hwr_server.hashing import WholeHasher, _Stage, parts_from_plan, readback, set_native_thread_name
 
 log = logging.getLogger(__name__)
@@ -65,15 +63,6 @@ def _os_error(exc: OSError, what: str) -> HwrError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return ResourceExhausted(f"{what}: the disk is full ({exc.strerror}); free space or run `hwr gc`")
     return Internal(f"{what}: {exc.strerror or exc}")
-
-
-def _fsync_dir(path: str) -> None:
-    """fsync a directory so the renames/creations of its entries survive a crash."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _pwrite_all(fd: int, data: Any, offset: int) -> None:
@@ -321,11 +310,10 @@ class Publication:
                 ) from None
             return Committed(self.key, manifest_json, 0, True)
         self._check_complete()
-        # 1. Every digest and every payload fsync.
+        # Every digest (the payload fsyncs are the commit's first step).
         digests = self._digests_ordered() if self.checked.plan.ordered else self._digests_readback()
         file_digests, tensor_digests, block_xxh = digests
-        self._failpoint("payload-durable")
-        # 2. Declared digests.
+        # Declared digests: a mismatch refuses the publication before anything moves.
         self._check_declared(file_digests, tensor_digests)
         manifest = build_manifest(self.checked, file_digests, tensor_digests, block_xxh)
         if self.checked.plan.declared_content_digest and manifest.content_digest != self.checked.plan.declared_content_digest:
@@ -333,8 +321,12 @@ class Publication:
                 f"publication {self.pub_id}: content digest {manifest.content_digest}, declared "
                 f"{self.checked.plan.declared_content_digest}"
             )
+        staged = durable.Staged(
+            self.key, os.path.join(self.staging, "artifact"),
+            [self._file_path(i) for i in range(len(self.fds))], self._sync_payload,
+        )
         try:
-            text = self._install(manifest)
+            text = durable.publish(self.store, staged, manifest, self._moved)
         except OSError as exc:
             raise _os_error(exc, f"publication {self.pub_id} commit") from None
         self._done = True
@@ -352,8 +344,8 @@ class Publication:
                         f"publication {self.pub_id} file {i}: commit after {got} of {lay.data_size} payload bytes "
                         "(too few bytes)"
                     )
-            elif cov.first_gap() is not None:
-                b, e = cov.first_gap()
+            elif (gap := cov.first_gap()) is not None:
+                b, e = gap
                 raise InvalidArgument(
                     f"publication {self.pub_id} file {i}: commit with bytes [{b}, {e}) never sent (too few bytes)"
                 )
@@ -362,25 +354,36 @@ class Publication:
         stages, self._stages = self._stages, []
         for s in stages:
             s.finish()  # waits until every queued chunk is hashed
-        for i, fd in enumerate(self.fds):
-            if i not in self._synced:  # files without data bytes (only empty tensors)
-                self._fsyncs.append(self._fsync_pool.submit(os.fsync, fd))
-        for fut in self._fsyncs:
-            fut.result()  # every payload file is durable before the manifest exists
         return self._collect()
 
     def _digests_readback(self) -> tuple[list, dict, list]:
         def one(i: int) -> None:
             lay = self.checked.layouts[i]
-            os.fsync(self.fds[i])  # payload durable before any manifest refers to it
             self._whole[i] = WholeHasher()  # the read-back sees the header too
             readback(self._file_path(i), self._whole[i], self._parts[i], lay.data_start, lay.file_size)
 
-        threads = max(1, (self.store.config.hash_threads or os.cpu_count() or 2) // 2)
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hwr-readback") as pool:
+        with ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="hwr-readback") as pool:
             for fut in [pool.submit(one, i) for i in range(len(self.fds))]:
                 fut.result()
         return self._collect()
+
+    def _threads(self) -> int:
+        return max(1, (self.store.config.hash_threads or os.cpu_count() or 2) // 2)
+
+    def _sync_payload(self) -> None:
+        """Commit step 1: every payload file durable before blobs/ or a
+        manifest refers to it. Ordered mode fsynced each finished file in the
+        background while the next one's bytes flowed; this waits for those
+        and fsyncs the rest (files without data bytes; every file when
+        unordered, in parallel like the read-back)."""
+        rest = [fd for i, fd in enumerate(self.fds) if i not in self._synced]
+        if self.checked.plan.ordered:
+            self._fsyncs += [self._fsync_pool.submit(os.fsync, fd) for fd in rest]
+            rest = []
+        with ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="hwr-fsync") as pool:
+            futures = self._fsyncs + [pool.submit(os.fsync, fd) for fd in rest]
+            for fut in futures:
+                fut.result()  # raises the fsync's OSError: nothing moves into blobs/
 
     def _collect(self) -> tuple[list, dict, list]:
         problems = [p for parts in self._parts for p in parts.problems]
@@ -403,36 +406,6 @@ class Publication:
                 bad.append(f"tensor {name!r}: sha256 {tensor_digests[name]}, declared {want}")
         if bad:
             raise FailedPrecondition(f"publication {self.pub_id} of {self.key[:12]}: " + "; ".join(bad))
-
-    def _install(self, manifest: Manifest) -> str:
-        # 3. Payloads into blobs/ (dropped when the blob exists); blobs/ fsynced so the
-        #    renames are durable before a manifest refers to them.
-        for i, f in enumerate(manifest.files):
-            if self.store.install_blob(self.key, self._file_path(i), f.blob, f.size):
-                self._moved.append(f.blob)
-        _fsync_dir(self.store.blobs_dir)
-        self._failpoint("blobs-installed")
-        # 4. Manifest written and fsynced, then its directory (its entry must survive the rename).
-        text = manifest.to_json()
-        art = os.path.join(self.staging, "artifact")
-        path = os.path.join(art, "manifest.json")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
-        try:
-            _pwrite_all(fd, text.encode("utf-8"), 0)
-            os.fsync(fd)  # manifest durable before the rename publishes it
-        finally:
-            os.close(fd)
-        _fsync_dir(art)
-        self._failpoint("manifest-durable")
-        # 5. The publish point: rename into artifacts/ + fsync artifacts/ (in the store, under its lock).
-        self.store.publish_dir(self.key, art, manifest)
-        self._failpoint("published")
-        return text
-
-    def _failpoint(self, step: str) -> None:
-        hook = getattr(self.store, "failpoint", None)
-        if hook is not None:
-            hook(step)
 
     # -- teardown ---------------------------------------------------------------
 
@@ -460,7 +433,7 @@ class Publication:
         if self._slot:
             self.store.publication_slots.release()
             self._slot = False
-        if not self._done and not getattr(self, "_counted", False) and not self.already_published:
+        if not self._done and not self._counted and not self.already_published:
             self._counted = True
             self.store.count("failed", nbytes=0, seconds=time.monotonic() - self.started)
             log.info("publication %s of %s ended without commit; staging removed", self.pub_id, self.key[:12])

@@ -1,18 +1,29 @@
 """Integrity checks of stored artifacts: startup recovery (cheap checks) and
 deep verification (re-hashing every byte).
 
-Startup recovery (DESIGN §4) runs before the daemon serves:
+Startup recovery (DESIGN §4) runs before the daemon serves; each step is a
+failpoint (``recovery.*``, :mod:`hwr_server.failpoints`) and each is safe to
+run again after a crash in the middle of it:
 
 1. Staging leftovers are removed: nothing in staging/ was ever visible, so an
-   interrupted publication (crash, SIGKILL, power loss) simply disappears.
-2. Every artifacts/<key>/ gets the cheap checks: manifest present and valid,
+   interrupted publication (crash, SIGKILL, power loss) simply disappears,
+   and so does the directory of an interrupted delete.
+2. Empty quarantine entries are removed: a quarantine interrupted between
+   creating its entry and renaming the artifact into it (the artifact is
+   still in artifacts/ and gets step 3 like any other).
+3. Every artifacts/<key>/ gets the cheap checks: manifest present and valid,
    key matches the directory, each blob present with the manifest's size and
    a safetensors header that parses and describes the manifest's tensors.
-   An artifact that fails is quarantined (its bytes are kept for inspection).
-   The deep check (re-hashing) is `hwr verify`, not startup.
-3. Blobs that no manifest references (a publication killed between moving
-   its payload into blobs/ and renaming its manifest into place) are removed.
-4. The in-memory index is rebuilt from the manifests that passed.
+   An artifact that fails is quarantined (its bytes are kept for inspection)
+   through :func:`hwr_server.commit.quarantine`. The deep check (re-hashing)
+   is `hwr verify`, not startup.
+4. Blobs that no manifest references (a publication killed between moving
+   its payload into blobs/ and renaming its manifest into place, a delete or
+   quarantine killed before its blobs went) are removed.
+5. The in-memory index is rebuilt from the manifests that passed.
+
+No step fsyncs its removals: a removal that a crash forgets is simply done
+again at the next start.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from hwr_client.core.errors import HwrError
 from hwr_client.core.identity import is_key
 from hwr_client.core.layout import parse_header
 from hwr_client.core.manifest import Manifest
+from hwr_server import failpoints
 from hwr_server.hashing import WholeHasher, parts_from_manifest, readback
 
 log = logging.getLogger(__name__)
@@ -55,8 +67,8 @@ def check_artifact(store: Any, key: str) -> tuple[Manifest | None, str, str]:
     path = os.path.join(store.artifact_dir(key), "manifest.json")
     what = f"artifact {key[:12]} manifest"
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        with open(path, "rb") as fh:
+            raw = fh.read()
     except FileNotFoundError:
         return None, "manifest-missing", f"{what}: missing at {path}"
     try:
@@ -169,6 +181,7 @@ def verify_artifact(manifest: Manifest, paths: Sequence[str], *, threads: int = 
 
 
 def _remove_staging(store: Any) -> int:
+    failpoints.hit("recovery.remove_staging")
     names = os.listdir(store.staging_dir)
     for name in names:
         path = os.path.join(store.staging_dir, name)
@@ -181,21 +194,38 @@ def _remove_staging(store: Any) -> int:
     return len(names)
 
 
+def _remove_partial_quarantine(store: Any) -> int:
+    """Removes empty quarantine entries (a quarantine killed before its
+    rename); rmdir refuses any entry that holds something."""
+    failpoints.hit("recovery.remove_partial_quarantine")
+    removed = 0
+    for name in os.listdir(store.quarantine_dir):
+        try:
+            os.rmdir(os.path.join(store.quarantine_dir, name))
+        except OSError:
+            continue  # not empty (a real entry) or not a directory
+        removed += 1
+    if removed:
+        log.info("recovery: removed %d empty quarantine entr%s", removed, "y" if removed == 1 else "ies")
+    return removed
+
+
 def _check_all(store: Any) -> tuple[dict[str, Manifest], list[str]]:
+    failpoints.hit("recovery.check_artifacts")
     good: dict[str, Manifest] = {}
     bad: list[tuple[str, Manifest | None, str]] = []
     problems: list[str] = []
     for name in sorted(os.listdir(store.artifacts_dir)):
         if not is_key(name) or not os.path.isdir(store.artifact_dir(name)):
             problems.append(f"artifacts/{name}: not an identity-key directory; quarantined")
-            _quarantine_path(store, name, "unknown-entry")
+            store.quarantine(name, "unknown-entry")
             continue
         manifest, reason, problem = check_artifact(store, name)
         if reason:
             problems.append(problem)
             log.warning("recovery: %s; quarantining", problem)
             bad.append((name, manifest, reason))
-        else:
+        elif manifest is not None:
             good[name] = manifest
     # Quarantine only once the good set is known, so blobs that a quarantined
     # artifact shares with a good one stay in blobs/.
@@ -206,13 +236,8 @@ def _check_all(store: Any) -> tuple[dict[str, Manifest], list[str]]:
     return good, problems
 
 
-def _quarantine_path(store: Any, name: str, reason: str) -> None:
-    dest = os.path.join(store.quarantine_dir, f"{name.replace('.', '_')}.{reason}.{int(time.time())}")
-    os.makedirs(dest, exist_ok=True)
-    os.rename(store.artifact_dir(name), os.path.join(dest, "artifact"))
-
-
 def _remove_orphans(store: Any, good: dict[str, Manifest]) -> int:
+    failpoints.hit("recovery.remove_orphans")
     referenced = {f.blob for m in good.values() for f in m.files}
     removed = 0
     for name in os.listdir(store.blobs_dir):
@@ -233,6 +258,7 @@ def recover(store: Any) -> RecoveryReport:
     """
     t0 = time.monotonic()
     staging = _remove_staging(store)
+    _remove_partial_quarantine(store)
     good, problems = _check_all(store)
     # Corrupt blobs of quarantined artifacts were moved with them; what is left
     # unreferenced is garbage from interrupted publications.

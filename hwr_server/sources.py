@@ -28,6 +28,7 @@ client hashes it itself.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import dataclasses
 import hashlib
 import json
@@ -327,10 +328,10 @@ class SourceCache:
                 except RuntimeError:  # the pool is shut down: the daemon is stopping
                     raise Unavailable(f"source {path}: the daemon is shutting down; retry") from None
                 self._inflight[state] = future
-                future.add_done_callback(lambda _f, s=state: self._landed(s))
+                future.add_done_callback(functools.partial(self._forget_flight, state))
             return future
 
-    def _landed(self, state: FileState) -> None:
+    def _forget_flight(self, state: FileState, _future: concurrent.futures.Future) -> None:
         # Runs after the record is written (inside the job), so a caller that
         # misses the flight finds the record instead of hashing again.
         with self._lock:

@@ -10,8 +10,10 @@ Layout::
     <root>/quarantine/<key>.<reason>.<ts>/  artifacts that failed verification
 
 Writing new artifacts is :mod:`hwr_server.publication`; startup recovery is
-:mod:`hwr_server.recovery`. This module owns the index and every rename that
-changes what is visible; one lock (``_lock``) serializes those changes.
+:mod:`hwr_server.recovery`. Every rename that changes what is visible (the
+commit, delete, quarantine) is a numbered sequence in :mod:`hwr_server.commit`.
+This module owns the index; one lock (``_lock``, lent to those sequences as
+:attr:`Store.visibility_lock`) serializes every change of what is visible.
 """
 
 from __future__ import annotations
@@ -20,16 +22,15 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import shutil
 import threading
-import time
-import uuid
 from typing import Callable, Iterator
 
 from hwr_client.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.core.identity import check_key
 from hwr_client.core.manifest import Manifest
+from hwr_server import commit
+from hwr_server.commit import dir_bytes
 from hwr_server.config import ServerConfig
 from hwr_server.recovery import RecoveryReport, recover, verify_artifact
 
@@ -39,7 +40,6 @@ MANIFEST = "manifest.json"
 #: Free space kept on the disk beyond a publication's own bytes: 1% of the
 #: disk, at most this much.
 DISK_MARGIN_BYTES = 64 * 1024 * 1024
-_REASON = re.compile(r"[^a-z0-9-]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,27 +104,6 @@ class DirEntry:
     in_flight: bool = False
 
 
-def dir_bytes(path: str) -> int:
-    """Sum of file sizes under ``path`` (0 when it vanished meanwhile)."""
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except FileNotFoundError:
-                pass
-    return total
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory so renames/creations of its entries survive a crash."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def summary_of(manifest: Manifest, state: str = "published", *, reason: str = "", entry: str = "") -> ArtifactSummary:
     doc = manifest.identity.document
     return ArtifactSummary(
@@ -166,9 +145,7 @@ class Store:
         self._publication_bytes = 0
         self._publication_seconds = 0.0
         self._verify_failures = 0
-        self.last_recovery = None
-        #: Test seam: callable(step) run at each commit step of a publication.
-        self.failpoint: Callable[[str], None] | None = None
+        self.last_recovery: RecoveryReport | None = None
 
     # -- paths ----------------------------------------------------------------
 
@@ -361,8 +338,10 @@ class Store:
             if self._publishing.get(key) == pub_id:
                 del self._publishing[key]
             self._pending_blobs.pop(key, None)
-            if key in self._index:
-                return  # committed: the blobs are referenced
+            if key in self._index or os.path.lexists(self.artifact_dir(key)):
+                # Committed (or past the publish point): a visible manifest references
+                # these blobs, and unlinking them would leave it without its payload.
+                return
             refs = self.blob_refs()
             for digest in moved_blobs:
                 if digest not in refs:
@@ -390,17 +369,43 @@ class Store:
             self._bad_blobs.discard(digest)
             return True
 
-    def publish_dir(self, key: str, staged_dir: str, manifest: Manifest) -> None:
-        """The publish point: renames a staged artifact directory (manifest
-        already fsynced) into artifacts/ and fsyncs artifacts/."""
+    # -- index changes (used by the sequences in hwr_server.commit) ------------
+
+    @property
+    def visibility_lock(self) -> threading.RLock:
+        """The lock the durable sequences hold around their visible steps, so
+        no reader sees a rename without the matching index change."""
+        return self._lock
+
+    def indexed(self, key: str) -> Manifest | None:
+        """The published manifest of ``key``, or None."""
         with self._lock:
-            # rename is atomic: the artifact appears whole or not at all.
-            os.rename(staged_dir, self.artifact_dir(key))
-            # Without this fsync a crash could forget the rename after we replied.
-            fsync_dir(self.artifacts_dir)
+            return self._index.get(key)
+
+    def known_bad_blobs(self) -> set[str]:
+        """Blobs a verification found corrupt (a copy)."""
+        with self._lock:
+            return set(self._bad_blobs)
+
+    def index_published(self, key: str, manifest: Manifest) -> None:
+        """Records a committed artifact (commit step 6)."""
+        with self._lock:
             self._index[key] = manifest
             self._quarantined.pop(key, None)
             self._pending_blobs.pop(key, None)
+
+    def index_unpublished(self, key: str, *, quarantine_entry: str = "", reason: str = "",
+                          manifest: Manifest | None = None) -> None:
+        """Forgets a deleted artifact, or lists it as quarantined in
+        ``quarantine_entry`` (with ``manifest`` when one was readable)."""
+        with self._lock:
+            self._index.pop(key, None)
+            if quarantine_entry:
+                self._quarantined[key] = (
+                    summary_of(manifest, "quarantined", reason=reason, entry=quarantine_entry)
+                    if manifest is not None else
+                    ArtifactSummary(key, "quarantined", reason=reason, entry=quarantine_entry)
+                )
 
     def new_staging(self, pub_id: str) -> str:
         """Creates the staging directory of publication ``pub_id``; returns its path."""
@@ -459,7 +464,8 @@ class Store:
     def quarantine(self, key: str, reason: str, *, bad_blobs: tuple[str, ...] = (),
                    manifest: Manifest | None = None) -> str:
         """Moves a published artifact to quarantine/<key>.<reason>.<ts>/,
-        together with its corrupt blobs and the blobs no other artifact uses.
+        together with its corrupt blobs and the blobs no other artifact uses
+        (the sequence is :func:`hwr_server.commit.quarantine`).
 
         Args:
             manifest: the artifact's manifest when it is not in the index
@@ -471,51 +477,13 @@ class Store:
         Raises:
             NotFound: the key is not published.
         """
-        slug = _REASON.sub("-", reason.lower()).strip("-")[:40] or "unknown"
-        with self._lock:
-            manifest = self._index.get(key) or manifest
-            src = self.artifact_dir(key)
-            if manifest is None and not os.path.isdir(src):
-                raise NotFound(f"artifact {key[:12]}: not published, nothing to quarantine")
-            name, dest = self._quarantine_name(key, slug)
-            os.mkdir(dest, 0o700)
-            # rename first: the artifact stops being visible atomically.
-            os.rename(src, os.path.join(dest, "artifact"))
-            self._index.pop(key, None)
-            if manifest is not None:
-                self._move_blobs(manifest, key, dest, set(bad_blobs) | self._bad_blobs)
-            fsync_dir(self.artifacts_dir)  # the unpublish survives a crash
-            self._quarantined[key] = (
-                summary_of(manifest, "quarantined", reason=slug, entry=name)
-                if manifest is not None else ArtifactSummary(key, "quarantined", reason=slug, entry=name)
-            )
-        log.warning("artifact %s quarantined: %s (quarantine/%s)", key[:12], reason, name)
-        return name
-
-    def _quarantine_name(self, key: str, slug: str) -> tuple[str, str]:
-        ts = int(time.time())
-        for n in range(1000):
-            name = f"{key}.{slug}.{ts}" + (f"-{n}" if n else "")
-            dest = os.path.join(self.quarantine_dir, name)
-            if not os.path.exists(dest):
-                return name, dest
-        raise ResourceExhausted(f"quarantine: too many entries for {key[:12]} at {ts}")
-
-    def _move_blobs(self, manifest: Manifest, key: str, dest: str, bad: set[str]) -> None:
-        others = {b for k, m in self._index.items() if k != key for b in (f.blob for f in m.files)}
-        others |= {b for blobs in self._pending_blobs.values() for b in blobs}
-        os.makedirs(os.path.join(dest, "blobs"), exist_ok=True)
-        for f in manifest.files:
-            if f.blob in bad or f.blob not in others:
-                try:
-                    os.rename(self.blob_path(f.blob), os.path.join(dest, "blobs", f.blob))
-                except FileNotFoundError:
-                    pass
+        return commit.quarantine(self, key, reason, bad_blobs=bad_blobs, manifest=manifest)
 
     def delete(self, key: str) -> int:
         """Unpublishes an artifact and unlinks its blobs that no other
-        artifact uses. Never truncates: mapped readers keep valid bytes.
-        No lease check here (callers check leases).
+        artifact uses (the sequence is :func:`hwr_server.commit.delete`).
+        Never truncates: mapped readers keep valid bytes. No lease check here
+        (callers check leases).
 
         Returns:
             Bytes freed.
@@ -524,27 +492,7 @@ class Store:
             NotFound: the key is not published.
         """
         check_key(key)
-        with self._lock:
-            manifest = self._index.get(key)
-            if manifest is None:
-                raise NotFound(f"artifact {key[:12]}: not published; `hwr ls` lists the keys")
-            trash = os.path.join(self.staging_dir, f"delete-{key[:16]}-{uuid.uuid4().hex[:8]}")
-            # rename first: the artifact disappears atomically, then its files go.
-            os.rename(self.artifact_dir(key), trash)
-            fsync_dir(self.artifacts_dir)  # the unpublish survives a crash
-            del self._index[key]
-            refs = self.blob_refs()
-            freed = dir_bytes(trash)
-            for f in manifest.files:
-                if f.blob not in refs:
-                    try:
-                        freed += os.lstat(self.blob_path(f.blob)).st_size
-                        os.unlink(self.blob_path(f.blob))
-                    except FileNotFoundError:
-                        pass
-        shutil.rmtree(trash, ignore_errors=True)
-        log.info("artifact %s deleted, %d bytes freed", key[:12], freed)
-        return freed
+        return commit.delete(self, key)
 
     # -- quarantine listing ---------------------------------------------------
 
@@ -583,4 +531,4 @@ def _check_entry(name: str) -> None:
         raise InvalidArgument(f"store entry {name!r}: expected a plain directory name")
 
 
-__all__ = ["ArtifactSummary", "DirEntry", "Store", "StoreFigures", "VerifyResult", "dir_bytes", "fsync_dir", "summary_of"]
+__all__ = ["ArtifactSummary", "DirEntry", "Store", "StoreFigures", "VerifyResult", "dir_bytes", "summary_of"]

@@ -5,9 +5,13 @@ daemon in test_publish*.py."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import logging
 import os
 import random
+import signal
 
 import pytest
 
@@ -17,6 +21,8 @@ from hwr_client.local import write_artifact
 from hwr_client.core.manifest import Manifest
 from hwr_client.core.plan import check_plan, to_proto
 from hwr_client.tensors import build_plan, iter_payload
+from hwr_server import commit as commit_mod
+from hwr_server import failpoints
 from hwr_server import publication as publication_mod
 from hwr_server.config import ServerConfig
 from hwr_server.metrics import store_stats
@@ -248,31 +254,31 @@ def test_plan_declared_tensor_digest_is_checked(tmp_path):
     assert isinstance(msg, pb.PublishPlan)
 
 
-@pytest.mark.parametrize("step", ["payload-durable", "blobs-installed", "manifest-durable", "published"])
+COMMIT_POINTS = [p.name for p in failpoints.POINTS if p.sequence == "commit"]
+
+
+@pytest.mark.parametrize("step", COMMIT_POINTS)
 def test_crash_at_each_commit_step_recovers_to_all_or_nothing(tmp_path, step):
-    """A child process dies (os._exit, no cleanup) at a commit step; recovery
-    then shows the artifact whole (after the publish point) or not at all."""
+    """A child process is SIGKILLed by the failpoint at a commit step (no
+    cleanup runs); recovery then shows the artifact whole (from the publish
+    point on) or not at all."""
     store = make_store(tmp_path)
     tensors = sample_tensors()
     plan = build_plan(identity(t=f"crash-{step}"), tensors, file_target_bytes=2000)
     pid = os.fork()
     if pid == 0:  # child: publish and die at `step`
-        def die(at):
-            if at == step:
-                os._exit(17)
-
-        store.failpoint = die
         try:
+            failpoints.arm(step)
             publish_inproc(store, plan, tensors)
         finally:
             os._exit(3)
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 17
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
     assert os.listdir(store.staging_dir)  # the crash left its staging behind
     fresh = Store(store.config)
     report = fresh.recover()
     assert os.listdir(fresh.staging_dir) == [] and report.staging_removed == 1
-    if step == "published":
+    if COMMIT_POINTS.index(step) > COMMIT_POINTS.index("commit.rename_artifact"):
         assert fresh.keys() == [plan.identity.key] and fresh.verify(plan.identity.key).ok
     else:
         assert fresh.keys() == [] and os.listdir(fresh.blobs_dir) == [] and os.listdir(fresh.artifacts_dir) == []
@@ -292,3 +298,85 @@ def test_staging_of_a_running_publication_is_in_flight_and_kept(tmp_path):
     assert not stale.in_flight and store.remove_staging("stale") and store.staging_entries() == []
     with pytest.raises(InvalidArgument):
         store.remove_staging("../artifacts")
+
+
+def test_fsync_of_artifacts_failing_after_the_rename_keeps_the_artifact_valid(tmp_path, monkeypatch, caplog):
+    """After the publish point nothing is undone: when the fsync of artifacts/
+    fails, the failure is logged with the key and the artifact stays
+    published, with its blobs, verifiable, also after a restart."""
+    store = make_store(tmp_path)
+    real = commit_mod.fsync_dir
+
+    def failing(path):
+        if path == store.artifacts_dir:
+            raise OSError(errno.EIO, "Input/output error")
+        real(path)
+
+    monkeypatch.setattr(commit_mod, "fsync_dir", failing)
+    tensors = sample_tensors()
+    plan = build_plan(identity(t="fsync-eio"), tensors, file_target_bytes=2000)
+    with caplog.at_level(logging.ERROR, logger="hwr_server.commit"):
+        done = publish_inproc(store, plan, tensors)  # close() ran: the claim is released
+    assert not done.already_published
+    assert any(plan.identity.key in r.getMessage() and "fsync of artifacts/" in r.getMessage() for r in caplog.records)
+    manifest, paths = store.get(done.key)
+    assert all(os.path.exists(p) for p in paths) and store.verify(done.key).ok
+    fresh = Store(store.config)
+    fresh.recover()
+    assert fresh.keys() == [done.key] and fresh.verify(done.key).ok
+
+
+def test_recovery_removes_an_empty_quarantine_entry_and_keeps_real_ones(tmp_path):
+    """A quarantine killed between creating its entry and the rename leaves an
+    empty directory; recovery removes it (and only it)."""
+    store = make_store(tmp_path)
+    tensors = sample_tensors()
+    done = publish_inproc(store, build_plan(identity(t="q-real"), tensors), tensors)
+    real = store.quarantine(done.key, "test")
+    os.mkdir(os.path.join(store.quarantine_dir, f"{'cd' * 32}.interrupted.1"))
+    fresh = Store(store.config)
+    fresh.recover()
+    assert os.listdir(fresh.quarantine_dir) == [real]
+    assert [(s.key, s.state) for s in fresh.summaries()] == [(done.key, "quarantined")]
+
+
+def test_reference_writer_temp_names_are_unique_per_attempt(tmp_path, monkeypatch):
+    """Two write_artifact calls in one process into one directory, the second
+    running while the first is mid-file: each writes its own temp file (a
+    per-process name made the second move the first one's file away)."""
+    from hwr_client import local
+
+    directory = str(tmp_path / "ref")
+    tensors_a, tensors_b = sample_tensors(seed=1), sample_tensors(seed=2)
+    plan_a = build_plan(identity(t="ref-a"), tensors_a, file_target_bytes=1)
+    plan_b = build_plan(identity(t="ref-b"), tensors_b, file_target_bytes=1)
+    real_iter = local.iter_payload
+    nested: list = []
+
+    def iter_payload(lay, tensors, chunk):
+        for i, item in enumerate(real_iter(lay, tensors, chunk)):
+            if tensors is tensors_a and i == 0 and not nested:
+                nested.append(local.write_artifact(directory, plan_b, tensors_b))
+            yield item
+
+    monkeypatch.setattr(local, "iter_payload", iter_payload)
+    manifest_a, paths_a = local.write_artifact(directory, plan_a, tensors_a)
+    manifest_b, paths_b = nested[0]
+    for manifest, paths in ((manifest_a, paths_a), (manifest_b, paths_b)):
+        for f, path in zip(manifest.files, paths):
+            with open(path, "rb") as fh:
+                assert hashlib.sha256(fh.read()).hexdigest() == f.blob
+    assert not [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+
+
+def test_recovery_quarantines_entries_that_are_not_artifacts(tmp_path):
+    """A stray file or a directory with a non-key name under artifacts/ goes
+    to quarantine through the same sequence, each into its own entry."""
+    store = make_store(tmp_path)
+    open(os.path.join(store.artifacts_dir, "notes.txt"), "w").close()
+    os.mkdir(os.path.join(store.artifacts_dir, "not-a-key"))
+    report = Store(store.config).recover()
+    assert report.quarantined == 2 and os.listdir(store.artifacts_dir) == []
+    entries = sorted(os.listdir(store.quarantine_dir))
+    assert [e.split(".")[:2] for e in entries] == [["not-a-key", "unknown-entry"], ["notes_txt", "unknown-entry"]]
+    assert all(os.path.lexists(os.path.join(store.quarantine_dir, e, "artifact")) for e in entries)
