@@ -13,6 +13,7 @@ import pytest
 from hwr_client.core.errors import Aborted
 from hwr_client.core.plan import to_proto
 from hwr_client.tensors import build_plan
+from hwr_server import failpoints
 from hwr_server.config import ServerConfig
 from hwr_server.gc import Collector
 from hwr_server.leases import LeaseManager
@@ -33,7 +34,7 @@ def wired(tmp_path) -> tuple[Store, LeaseManager, Collector]:
     return store, leases, gc
 
 
-def test_blobs_a_committing_publication_reuses_survive_gc(tmp_path):
+def test_blobs_a_committing_publication_reuses_survive_gc(tmp_path, monkeypatch):
     """Publication B dedups every payload file against unleased artifact A;
     GC collects A between B's blob install and B's publish point. A goes, its
     blobs stay (B references them), and B commits whole."""
@@ -43,16 +44,17 @@ def test_blobs_a_committing_publication_reuses_survive_gc(tmp_path):
     blobs = [f.blob for f in store.get(a.key)[0].files]
     seen: list[tuple] = []
 
-    def collect_mid_commit(step: str) -> None:
-        if step == "blobs-installed":
+    def collect_mid_commit(name: str) -> None:
+        # Hit just before step 3: every blob of B is installed, B is not visible.
+        if name == "commit.write_manifest":
             gc_plan, result, deferred = gc.collect(target_bytes=1)
             seen.append((gc_plan, result, deferred, store.keys(),
                          [os.path.exists(store.blob_path(b)) for b in blobs]))
 
-    store.failpoint = collect_mid_commit
+    monkeypatch.setattr(failpoints, "hit", collect_mid_commit)
     b_plan = build_plan(identity(t="new"), tensors, file_target_bytes=1)
     b = publish_inproc(store, b_plan, tensors)
-    store.failpoint = None
+    monkeypatch.undo()
     [(gc_plan, result, deferred, keys_then, exist_then)] = seen
     assert deferred == "" and result is not None
     assert gc_plan.artifact_keys() == [a.key] and keys_then == []  # A was collected ...
