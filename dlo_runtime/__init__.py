@@ -16,15 +16,16 @@ from dlo_runtime.canonical import CanonicalOptions, LoadReport, iter_checkpoint,
 from dlo_runtime.cuda_host import CudaRegistrar, HostCapability, NullRegistrar, Registrar
 from dlo_runtime.restore import RestorePlan, RestoreResult, commit_restore, finalize_shared, plan_restore, restore
 from dlo_runtime.transaction import (
-    BackendOptions, ModelRecipe, Outcome, Stage, StartupResult, StartupTransaction, discard_model,
+    BackendOptions, ModelRecipe, Stage, StartupResult, StartupTransaction, discard_model,
 )
+from hwr_client.resolve import Mode, Outcome
 from dlo_runtime.transports import (
     ORDINARY, REGISTERED, STAGING, UNIFIED, RegistrationAborted, TransportChoice, UnregisterFailed,
 )
 
 __all__ = [
     "BackendOptions", "BlockStats", "CanonicalOptions", "CudaRegistrar", "HostCapability", "LoadReport",
-    "ModelRecipe", "NullRegistrar", "ORDINARY", "OffloadBackend", "OffloadStats", "Outcome", "REGISTERED",
+    "Mode", "ModelRecipe", "NullRegistrar", "ORDINARY", "OffloadBackend", "OffloadStats", "Outcome", "REGISTERED",
     "Registrar", "RegistrationAborted", "RestorePlan", "RestoreResult", "STAGING", "Stage", "StartupResult",
     "StartupTransaction", "TransportChoice", "UNIFIED", "UnregisterFailed", "commit_restore", "discard_model",
     "enable_layerwise_offload", "finalize_shared", "iter_checkpoint", "load_canonical_into", "plan_restore",
