@@ -15,8 +15,9 @@ from dlo_runtime.backend import BlockStats, OffloadBackend, OffloadStats, enable
 from dlo_runtime.canonical import CanonicalOptions, LoadReport, iter_checkpoint, load_canonical_into
 from dlo_runtime.cuda_host import CudaRegistrar, HostCapability, NullRegistrar, Registrar
 from dlo_runtime.restore import RestorePlan, RestoreResult, commit_restore, finalize_shared, plan_restore, restore
+from dlo_runtime.options import OffloadOptions
 from dlo_runtime.transaction import (
-    BackendOptions, ModelRecipe, Stage, StartupResult, StartupTransaction, discard_model,
+    ModelRecipe, Stage, StartupResult, StartupTransaction, discard_model,
 )
 from hwr_client.resolve import Mode, Outcome
 from dlo_runtime.transports import (
@@ -24,8 +25,8 @@ from dlo_runtime.transports import (
 )
 
 __all__ = [
-    "BackendOptions", "BlockStats", "CanonicalOptions", "CudaRegistrar", "HostCapability", "LoadReport",
-    "Mode", "ModelRecipe", "NullRegistrar", "ORDINARY", "OffloadBackend", "OffloadStats", "Outcome", "REGISTERED",
+    "BlockStats", "CanonicalOptions", "CudaRegistrar", "HostCapability", "LoadReport",
+    "Mode", "ModelRecipe", "NullRegistrar", "ORDINARY", "OffloadBackend", "OffloadOptions", "OffloadStats", "Outcome", "REGISTERED",
     "Registrar", "RegistrationAborted", "RestorePlan", "RestoreResult", "STAGING", "Stage", "StartupResult",
     "StartupTransaction", "TransportChoice", "UNIFIED", "UnregisterFailed", "commit_restore", "discard_model",
     "enable_layerwise_offload", "finalize_shared", "iter_checkpoint", "load_canonical_into", "plan_restore",

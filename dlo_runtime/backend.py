@@ -48,10 +48,11 @@ from torch import nn
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_client.core.layout import ALIGN
 
-from dlo_runtime.cuda_host import Registrar, default_registrar
+from dlo_runtime.cuda_host import default_registrar
+from dlo_runtime.options import OffloadOptions
 from dlo_runtime.restore import Slot, tensor_slots
 from dlo_runtime.transports import (
-    MAX_CHUNK_BYTES, ORDINARY, STAGING, RegisteredRanges, RegistrationAborted, TransportChoice, choose_transport,
+    ORDINARY, STAGING, RegisteredRanges, RegistrationAborted, TransportChoice, choose_transport,
 )
 
 log = logging.getLogger(__name__)
@@ -237,33 +238,30 @@ class OffloadBackend:
     Construct, then :meth:`start`; the startup transaction uses the two
     steps to record BACKEND_OWNED (after construction took the lease) and
     BACKEND_READY (after start). Process-local: refuses pickling.
+
+    Args:
+        module: the model.
+        blocks: the streamable blocks of ``module`` in execution order.
+        options: device, transports and registration (default: CPU).
+        source: a lease, a LeaseCarrier holding one, or None; see
+            :func:`enable_layerwise_offload`.
+
+    Raises:
+        InvalidArgument: bad arguments (nothing taken, nothing changed).
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        blocks: Sequence[nn.Module],
-        *,
-        device: str | torch.device,
-        source: Any = None,
-        resident_blocks: int = 0,
-        pin_memory: bool = True,
-        registration_limit_gib: float = 0.0,
-        registrar: Registrar | None = None,
-        chunk_bytes: int = MAX_CHUNK_BYTES,
-    ):
-        self.device = torch.device(device)
+    def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], options: OffloadOptions | None = None,
+                 *, source: Any = None):
+        self.options = options = options or OffloadOptions()
+        self.device = torch.device(options.device)
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         blocks = list(blocks)
-        _validate(module, blocks, resident_blocks, registration_limit_gib)
+        _validate(module, blocks, options.resident_blocks, options.registration_limit_gib)
         self._module: nn.Module | None = module
         self._all_blocks = blocks
-        self._resident = resident_blocks
-        self._pin = pin_memory
-        self._limit_gib = registration_limit_gib
-        self._registrar = registrar or default_registrar(self.device)
-        self._chunk_bytes = chunk_bytes
+        self._resident = options.resident_blocks
+        self._registrar = options.registrar or default_registrar(self.device)
         # Single take, before any asynchronous work: from here on only this
         # backend's abort/close may drain work and close the lease.
         self._lease = source.take() if hasattr(source, "take") else source
@@ -321,7 +319,7 @@ class OffloadBackend:
         cap = self._registrar.capability(self.device)
         self._unified = cap.unified_memory
         streamed = self._all_blocks[self._resident :]
-        pin = self._pin and self._cuda and not self._unified
+        pin = self.options.pin_memory and self._cuda and not self._unified
         names = {id(m): n for n, m in self._module.named_modules()}
         walks = [(names[id(b)], b, tensor_slots(b).slots) for b in streamed]
         # Collected before packing repoints the block tensors: everything
@@ -332,8 +330,9 @@ class OffloadBackend:
         else:
             self._blocks = [_pack_block(qual, b, slots, pin=pin) for qual, b, slots in walks]
         self._make_resident(skip | {id(m.host) for b in self._blocks for m in b.members})
-        self._choice = choose_transport(self._registrar, cap, self._lease, pin_memory=self._pin,
-                                        registration_limit_gib=self._limit_gib, chunk_bytes=self._chunk_bytes)
+        o = self.options
+        self._choice = choose_transport(self._registrar, cap, self._lease, pin_memory=o.pin_memory,
+                                        registration_limit_gib=o.registration_limit_gib, chunk_bytes=o.chunk_bytes)
         self._ranges = self._choice.ranges
         self.trail.append(f"transport:{self._choice.kind}")
         size = max((b.nbytes for b in self._blocks), default=0)
@@ -561,41 +560,36 @@ def _validate(module: nn.Module, blocks: list[nn.Module], resident: int, limit_g
 def enable_layerwise_offload(
     module: nn.Module,
     blocks: Sequence[nn.Module],
+    options: OffloadOptions | None = None,
     *,
-    device: str | torch.device,
     source: Any = None,
-    resident_blocks: int = 0,
-    pin_memory: bool = True,
-    registration_limit_gib: float = 0.0,
-    registrar: Registrar | None = None,
-    chunk_bytes: int = MAX_CHUNK_BYTES,
+    **fields: Any,
 ) -> OffloadBackend:
     """Streams ``blocks`` of ``module`` through two device buffers.
 
     Args:
         module: the model; everything outside the streamed blocks moves to
-            ``device`` once.
+            the device once.
         blocks: the streamable blocks in execution order.
-        device: target device ("cuda:0", or "cpu" for synchronous copies).
+        options: an :class:`~dlo_runtime.options.OffloadOptions` (default:
+            CPU, no resident blocks, pin policy on, no registration ceiling).
         source: a lease (MappedArtifact API + close()), a LeaseCarrier
             holding one (taken once), or None for ordinary tensors. The
             module must have been restored from it. The backend owns it and
             closes it in :meth:`OffloadBackend.close`.
-        resident_blocks: leading blocks kept on the device, not streamed.
-        pin_memory: the pin policy; False disables registration and pinning.
-        registration_limit_gib: ceiling on registered bytes; 0 = none.
-        registrar: the CUDA registration seam (tests pass fakes).
-        chunk_bytes: largest range per cudaHostRegister call.
+        **fields: individual options (``device="cuda:0"``,
+            ``resident_blocks=2``...), applied over ``options``; see
+            :class:`~dlo_runtime.options.OffloadOptions` for each one's unit
+            and default.
 
     Returns:
         The started backend: ``close()`` and ``stats``.
 
     Raises:
+        TypeError: an unknown option name.
         InvalidArgument: bad arguments (nothing taken, nothing changed).
         FailedPrecondition: blocks do not match the lease.
         RegistrationAborted: rollback failed; startup must abort.
     """
-    backend = OffloadBackend(module, blocks, device=device, source=source, resident_blocks=resident_blocks,
-                             pin_memory=pin_memory, registration_limit_gib=registration_limit_gib,
-                             registrar=registrar, chunk_bytes=chunk_bytes)
-    return backend.start()
+    opts = (options or OffloadOptions()).updated(**fields)
+    return OffloadBackend(module, blocks, opts, source=source).start()

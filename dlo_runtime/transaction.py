@@ -44,9 +44,9 @@ from hwr_client.resolve import Mode, Outcome, Resolution, parse_mode
 
 from dlo_runtime.backend import OffloadBackend
 from dlo_runtime.canonical import CanonicalOptions
-from dlo_runtime.cuda_host import Registrar
 from dlo_runtime.restore import commit_restore, finalize_shared, plan_restore
-from dlo_runtime.transports import MAX_CHUNK_BYTES, RegistrationAborted
+from dlo_runtime.options import OffloadOptions
+from dlo_runtime.transports import RegistrationAborted
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +90,6 @@ class ModelRecipe:
     select_blocks: Callable[[nn.Module], Sequence[nn.Module]]
     finalize: Callable[[nn.Module], Any] = lambda m: None
     publish_after_load: Callable[[nn.Module], Any] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class BackendOptions:
-    """enable_layerwise_offload's options, minus module/blocks/source."""
-
-    device: str = "cpu"
-    resident_blocks: int = 0
-    pin_memory: bool = True
-    registration_limit_gib: float = 0.0
-    registrar: Registrar | None = None
-    chunk_bytes: int = MAX_CHUNK_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,11 +152,11 @@ class StartupTransaction:
     """
 
     def __init__(self, mode: Mode | str, recipe: ModelRecipe, resolve: Callable[[], Resolution],
-                 options: BackendOptions | None = None):
+                 options: OffloadOptions | None = None):
         self.mode = parse_mode(mode)
         self.recipe = recipe
         self.resolve = resolve
-        self.options = options or BackendOptions()
+        self.options = options or OffloadOptions()
         self.trail: list[Step] = []
         self.stage: Stage | None = None
         self._ran = False
@@ -286,10 +274,7 @@ class StartupTransaction:
         return StartupResult(Outcome.LOCAL_HIT, skeleton, backend, tuple(self.trail))
 
     def _backend(self, model: nn.Module, blocks: Sequence[nn.Module], source: Any) -> OffloadBackend:
-        o = self.options
-        return OffloadBackend(model, blocks, device=o.device, source=source, resident_blocks=o.resident_blocks,
-                              pin_memory=o.pin_memory, registration_limit_gib=o.registration_limit_gib,
-                              registrar=o.registrar, chunk_bytes=o.chunk_bytes)
+        return OffloadBackend(model, blocks, self.options, source=source)
 
     def _note_backend(self, backend: OffloadBackend | None) -> None:
         if backend is not None:

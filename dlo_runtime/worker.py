@@ -284,7 +284,8 @@ def start_worker(opts: WorkerOptions) -> Worker:
 def _start_offloaded(opts: WorkerOptions, contract: Contract, phases: _Phases) -> Worker:
     """Runs the startup transaction (resolve → restore → carrier → backend,
     or canonical load → backend) and wraps its result."""
-    from dlo_runtime.transaction import BackendOptions, StartupTransaction
+    from dlo_runtime.options import OffloadOptions
+    from dlo_runtime.transaction import StartupTransaction
 
     mode = parse_mode(opts.mode)
     client = identity = None
@@ -298,7 +299,7 @@ def _start_offloaded(opts: WorkerOptions, contract: Contract, phases: _Phases) -
         if client is not None:
             identity = contract.identity(opts.checkpoint, opts.layout, client=client)
             phases.mark("identity")
-        backend = BackendOptions(device=opts.device, registration_limit_gib=opts.registration_limit_gib)
+        backend = OffloadOptions(device=opts.device, registration_limit_gib=opts.registration_limit_gib)
         tx = StartupTransaction(mode, _recipe(opts, contract, phases, pending, client is not None),
                                 lambda: _resolve(client, identity, mode, opts.verify, phases), backend)
         result = tx.run()

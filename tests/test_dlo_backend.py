@@ -10,7 +10,7 @@ import torch
 
 from hwr_client.carrier import LeaseCarrier
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
-from dlo_runtime import ORDINARY, STAGING, enable_layerwise_offload, restore
+from dlo_runtime import ORDINARY, STAGING, OffloadOptions, enable_layerwise_offload, restore
 from tests.test_dlo_common import TestLease, make_artifact, reference, skeleton
 
 
@@ -123,6 +123,23 @@ def test_bad_arguments_take_nothing(tmp_path):
         enable_layerwise_offload(skel, [reference(1).blocks[0]], device="cpu", source=carrier)
     assert carrier.owns and lease.closed == 0
     carrier.close()
+
+
+def test_one_options_record_with_keyword_overrides(tmp_path):
+    ref, lease, skel = _warm(tmp_path, 3)
+    carrier = LeaseCarrier(lease)
+    with pytest.raises(TypeError, match="resident_block"):  # a misspelt option is not silently dropped
+        enable_layerwise_offload(skel, list(skel.blocks), OffloadOptions(), source=carrier, resident_block=1)
+    assert carrier.owns and lease.closed == 0
+    base = OffloadOptions(device="cpu", resident_blocks=2)
+    handle = enable_layerwise_offload(skel, list(skel.blocks), base, source=carrier, resident_blocks=1)
+    try:
+        assert handle.options == OffloadOptions(device="cpu", resident_blocks=1) and base.resident_blocks == 2
+        assert handle.stats.resident_blocks == 1
+        x = torch.randn(2, 8)
+        assert torch.equal(skel(x), ref(x))
+    finally:
+        handle.close()
 
 
 def test_second_take_and_pickling_raise(tmp_path):

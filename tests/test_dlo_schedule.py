@@ -19,7 +19,7 @@ import contextlib
 import pytest
 import torch
 
-from dlo_runtime import OffloadBackend, restore
+from dlo_runtime import OffloadBackend, OffloadOptions, restore
 from tests.test_dlo_common import FakeRegistrar, TestLease, make_artifact, reference, skeleton
 
 
@@ -73,7 +73,8 @@ def _instrumented(tmp_path, n_blocks, registrar):
     lease = TestLease(make_artifact(tmp_path, ref))
     skel = skeleton(n_blocks)
     restore(skel, lease)
-    b = OffloadBackend(skel, list(skel.blocks), device="cpu", source=lease, registrar=registrar, chunk_bytes=8192)
+    b = OffloadBackend(skel, list(skel.blocks), OffloadOptions(device="cpu", registrar=registrar, chunk_bytes=8192),
+                       source=lease)
     cu = b._cu = FakeCuda()
     b._async = True
     load, pre, post = b._load, b._pre, b._post

@@ -10,7 +10,7 @@ from torch import nn
 
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from dlo_runtime import (
-    BackendOptions, ModelRecipe, Outcome, RegistrationAborted, Stage, StartupTransaction, retained,
+    OffloadOptions, ModelRecipe, Outcome, RegistrationAborted, Stage, StartupTransaction, retained,
 )
 from hwr_client.resolve import Mode, Resolution
 from tests.conftest import identity
@@ -221,7 +221,7 @@ def test_stuck_registration_aborts_both_modes_keeping_the_lease(tmp_path):
         lease = TestLease(make_artifact(tmp_path / mode, reference(N)))
         c = Counters()
         reg = FakeRegistrar(fail_at=1, unregister_failures=-1)
-        opts = BackendOptions(registrar=reg, chunk_bytes=4096)
+        opts = OffloadOptions(registrar=reg, chunk_bytes=4096)
         with pytest.raises(RegistrationAborted):
             StartupTransaction(mode, recipe(c), lambda: hit(lease, mode), opts).run()
         assert lease.closed == 0 and c.canonical == []
@@ -251,7 +251,7 @@ def test_warm_hit_on_a_real_daemon_lease(daemon):
         lease = res.lease
         c = Counters()
         result = StartupTransaction("required", recipe(c), lambda: res,
-                                    BackendOptions(registrar=FakeRegistrar())).run()
+                                    OffloadOptions(registrar=FakeRegistrar())).run()
         assert result.outcome is Outcome.LOCAL_HIT and c.canonical == [] and c.published == 0
         assert result.backend.stats.transport == "registered"
         assert _params_in(result.model, lease.regions())
