@@ -13,10 +13,11 @@ Block j's forward pre-hook waits for its copy and binds its views; its
 forward hook records "compute done" on the slot, unbinds, and issues the copy
 of block j+2 into the same slot on the copy stream, which waits for that
 event first. So block j+1's copy is in flight while block j runs. With two
-or fewer streamed blocks everything stays loaded after the first copy. On a
-CPU "device" one copy thread plays the copy stream: copies run in issue order
-beside the compute, a block's pre-hook waits for its copy, and compute (which
-is synchronous there) needs no event; every other rule is the same code.
+or fewer streamed blocks everything stays loaded after the first copy. How
+a copy is issued and waited for is the copy engine's
+(:mod:`dlo_runtime.copy_engine`): CUDA streams and events, or on a CPU
+"device" one copy thread playing the copy stream; the schedule here is the
+same code for both.
 
 Ownership: the backend takes the lease (from a :class:`LeaseCarrier`, once)
 before any asynchronous work, and its teardown runs, in order: drain device
@@ -35,11 +36,8 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
-import queue
-import threading
 from typing import Any, Sequence
 
 import torch
@@ -48,6 +46,7 @@ from torch import nn
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_client.core.layout import ALIGN
 
+from dlo_runtime.copy_engine import CopyEngine, make_copy_engine
 from dlo_runtime.cuda_host import default_registrar
 from dlo_runtime.options import OffloadOptions
 from dlo_runtime.restore import Slot, tensor_slots
@@ -117,44 +116,6 @@ class OffloadStats:
     registration_seconds: float
     registration_calls: int
     blocks: tuple[BlockStats, ...]
-
-
-class _CopyThread:
-    """The copy stream of a CPU "device": one thread that runs block copies
-    in the order they were issued, so the copy of block j+1 overlaps the
-    compute of block j the way an H2D copy on a CUDA copy stream does
-    (torch releases the GIL inside ``copy_``). Started on first use."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self.ident: int | None = None  # the copying thread (tests check copies ran there)
-
-    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> concurrent.futures.Future:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="dlo-copy", daemon=True)
-            self._thread.start()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((done, dst, src))
-        return done
-
-    def _run(self) -> None:
-        self.ident = threading.get_ident()
-        while (item := self._queue.get()) is not None:
-            done, dst, src = item
-            try:
-                dst.copy_(src)
-            except BaseException as exc:  # raised where the copy is waited for
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
-
-    def close(self) -> None:
-        """Stops the thread after the copies already issued."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join()
 
 
 def _align(n: int) -> int:
@@ -281,12 +242,11 @@ class OffloadBackend:
         self._cuda = self.device.type == "cuda"
         #: Stream/event API and whether copies are asynchronous: torch.cuda
         #: on a CUDA device. A seam: CPU tests swap in a recording fake to
-        #: check the event ordering of the asynchronous schedule.
+        #: check the event ordering of the asynchronous schedule. Read once,
+        #: when start() builds the copy engine.
         self._cu: Any = torch.cuda
         self._async = self._cuda
-        #: Off CUDA: the copy thread and, per slot, its last copy in flight.
-        self._copier = _CopyThread()
-        self._pending: list[concurrent.futures.Future | None] = [None, None]
+        self._engine: CopyEngine | None = None
 
     # -- setup ----------------------------------------------------------------
 
@@ -316,6 +276,8 @@ class OffloadBackend:
 
     def _setup(self) -> None:
         assert self._module is not None
+        # First: from here on teardown drains through the engine.
+        self._engine = make_copy_engine(self.device, cu=self._cu, asynchronous=self._async)
         cap = self._registrar.capability(self.device)
         self._unified = cap.unified_memory
         streamed = self._all_blocks[self._resident :]
@@ -341,12 +303,6 @@ class OffloadBackend:
             self._staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._counts = [[0, 0, 0] for _ in self._blocks]
         self._meta = [(b.name, b.nbytes) for b in self._blocks]  # kept after close for reporting
-        if self._async:
-            cu = self._cu
-            self._copy_stream = cu.Stream(self.device)
-            self._copy_done = [cu.Event(), cu.Event()]
-            self._compute_done = [cu.Event(), cu.Event()]
-            self._staging_free = [cu.Event(), cu.Event()]
         for j, b in enumerate(self._blocks):
             self._hooks.append(b.module.register_forward_pre_hook(lambda m, a, j=j: self._pre(j)))
             self._hooks.append(b.module.register_forward_hook(lambda m, a, o, j=j: self._post(j)))
@@ -377,32 +333,11 @@ class OffloadBackend:
 
     def _load(self, j: int, slot: int) -> None:
         """One contiguous copy of block j into device buffer ``slot``."""
+        assert self._engine is not None
         blk = self._blocks[j]
-        dst = self._buffers[slot][: blk.nbytes]
-        src, host_copies = blk.host_bytes, 0
+        staging = self._staging[slot][: blk.nbytes] if self._staging else None
         self._slot_block[slot] = None
-        if self._async:
-            with self._cu.stream(self._copy_stream):
-                # Buffer reuse: the block that last ran from this slot must
-                # finish before its bytes are overwritten.
-                self._copy_stream.wait_event(self._compute_done[slot])
-                if self._staging:
-                    # Host wait: the previous DMA out of this staging slot
-                    # must finish before the memcpy overwrites its bytes.
-                    self._staging_free[slot].synchronize()
-                    src, host_copies = self._staging[slot][: blk.nbytes].copy_(src), 1
-                dst.copy_(src, non_blocking=True)
-                if self._staging:
-                    self._staging_free[slot].record(self._copy_stream)
-                self._copy_done[slot].record(self._copy_stream)
-        else:
-            # The slot's previous copy reads its staging slot and writes its
-            # buffer: it must finish before either is reused. (Its block's
-            # compute already finished: CPU compute is synchronous.)
-            self._wait_copy(slot)
-            if self._staging:
-                src, host_copies = self._staging[slot][: blk.nbytes].copy_(src), 1
-            self._pending[slot] = self._copier.submit(dst, src)
+        host_copies = self._engine.load(slot, self._buffers[slot][: blk.nbytes], blk.host_bytes, staging)
         self._slot_block[slot] = j
         c = self._counts[j]
         c[0] += 1
@@ -415,21 +350,18 @@ class OffloadBackend:
             other = self._slot_of((j - 1) % len(self._blocks))
             slot = 0 if other != 0 else 1
             self._load(j, slot)
-        if self._async:
-            # Compute must not read the buffer before its H2D copy landed.
-            self._cu.current_stream(self.device).wait_event(self._copy_done[slot])
-        else:
-            self._wait_copy(slot)  # same rule, on the host
+        assert self._engine is not None
+        # Compute must not read the buffer before its copy landed.
+        self._engine.before_compute(slot)
         raw = self._buffers[slot]
         for m in self._blocks[j].members:
             _set(m.owner, m.attr, m.is_parameter, _view(raw, m))
 
     def _post(self, j: int) -> None:
         slot = self._slot_of(j)
-        assert slot is not None, f"block {j} ran without being loaded"
-        if self._async:
-            # The next copy into this slot waits for this block's kernels.
-            self._compute_done[slot].record(self._cu.current_stream(self.device))
+        assert slot is not None and self._engine is not None, f"block {j} ran without being loaded"
+        # The next copy into this slot waits for this block's kernels.
+        self._engine.after_compute(slot)
         for m in self._blocks[j].members:
             _set(m.owner, m.attr, m.is_parameter, m.host)
         n = len(self._blocks)
@@ -439,24 +371,11 @@ class OffloadBackend:
 
     # -- teardown --------------------------------------------------------------
 
-    def _wait_copy(self, slot: int) -> None:
-        """Waits for the copy in flight into ``slot`` (off CUDA); re-raises
-        its error."""
-        pending, self._pending[slot] = self._pending[slot], None
-        if pending is not None:
-            pending.result()
-
     def _drain(self) -> None:
-        if self._async:
-            # Pending H2D copies read the mapping/staging and kernels read the
+        if self._engine is not None:
+            # Pending copies read the mapping/staging and compute reads the
             # buffers: both must finish before any of them is released.
-            self._cu.synchronize(self.device)
-        else:
-            # Same rule for the copy thread. A copy's error was (or would have
-            # been) raised where its block waited; teardown must not stop on it.
-            concurrent.futures.wait([p for p in self._pending if p is not None])
-            self._pending = [None, None]
-            self._copier.close()
+            self._engine.drain()
         self.trail.append("drain")
 
     def _release(self) -> None:

@@ -185,7 +185,7 @@ def test_cpu_copies_run_on_the_copy_thread_and_overlap_nothing_they_must_not(tmp
     import threading
     import time as _time
 
-    from dlo_runtime import backend as B
+    from dlo_runtime import copy_engine as B
 
     ref, lease, skel = _warm(tmp_path, 5)
     x = torch.randn(3, 8)
@@ -219,7 +219,7 @@ def test_cpu_copies_run_on_the_copy_thread_and_overlap_nothing_they_must_not(tmp
 
 
 def test_cpu_copy_error_surfaces_at_the_block_and_teardown_still_closes(tmp_path, monkeypatch):
-    from dlo_runtime import backend as B
+    from dlo_runtime import copy_engine as B
 
     ref, lease, skel = _warm(tmp_path, 4)
     calls = []

@@ -87,7 +87,7 @@ def _instrumented(tmp_path, n_blocks, registrar):
 
 def _check(b, cu) -> dict:
     name = {id(e): (kind, s) for kind in ("copy_done", "compute_done", "staging_free")
-            for s, e in enumerate(getattr(b, "_" + kind))}
+            for s, e in enumerate(getattr(b._engine, kind))}
     ev = lambda e: name[id(e)]  # noqa: E731
     used = {0: False, 1: False}  # slot bound for compute at least once
     computed = {0: True, 1: True}  # compute_done recorded since the last bind
