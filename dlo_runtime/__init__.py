@@ -12,7 +12,8 @@
 """
 
 from dlo_runtime.backend import BlockStats, OffloadBackend, OffloadStats, enable_layerwise_offload, retained
-from dlo_runtime.canonical import CanonicalOptions, LoadReport, iter_checkpoint, load_canonical_into
+from dlo_runtime.canonical import CanonicalOptions, LoadReport, load_canonical_into
+from dlo_runtime.checkpoint import CheckpointReader, iter_checkpoint
 from dlo_runtime.cuda_host import CudaRegistrar, HostCapability, NullRegistrar, Registrar
 from dlo_runtime.restore import RestorePlan, RestoreResult, commit_restore, finalize_shared, plan_restore, restore
 from dlo_runtime.options import OffloadOptions
@@ -25,7 +26,7 @@ from dlo_runtime.transports import (
 )
 
 __all__ = [
-    "BlockStats", "CanonicalOptions", "CudaRegistrar", "HostCapability", "LoadReport",
+    "BlockStats", "CanonicalOptions", "CheckpointReader", "CudaRegistrar", "HostCapability", "LoadReport",
     "Mode", "ModelRecipe", "NullRegistrar", "ORDINARY", "OffloadBackend", "OffloadOptions", "OffloadStats", "Outcome", "REGISTERED",
     "Registrar", "RegistrationAborted", "RestorePlan", "RestoreResult", "STAGING", "Stage", "StartupResult",
     "StartupTransaction", "TransportChoice", "UNIFIED", "UnregisterFailed", "commit_restore", "discard_model",

@@ -209,6 +209,7 @@ def build_identity(
     producer: Mapping[str, Any],
     extra: Mapping[str, Any] | None = None,
     client: Any = None,
+    local: bool = False,
 ) -> Identity:
     """Builds the identity of an artifact produced from a real checkpoint.
 
@@ -226,6 +227,8 @@ def build_identity(
         extra: any other byte-relevant canonical JSON; default ``{}``.
         client: a :class:`hwr_client.Client`; None connects to the default
             socket (and hashes locally if no daemon answers).
+        local: hash every file in this process and connect to nothing
+            (``client`` must be None); the key is the same.
 
     Returns:
         The validated :class:`Identity`; its key is ``identity.key``.
@@ -241,8 +244,10 @@ def build_identity(
         ...     layout={"tp_rank": 0, "tp_size": 1, "sp_size": 1, "sp_backend": "none"},
         ...     representation={"dtype": "bfloat16"}, producer={"id": "demo", "version": "1"})
     """
+    if local and client is not None:
+        raise InvalidArgument("build_identity: local=True hashes in this process; expected client=None")
     pairs = canonical_sources(sources)
-    own = client is None
+    own = client is None and not local
     if own:
         from hwr_client.client import connect
 

@@ -1,7 +1,8 @@
 """A small, deterministic diffusion transformer (DiT): the reference model.
 
 It has the parts that make real DiT checkpoints awkward to load, so that the
-final-layout contract in :mod:`dlo_runtime.contracts` has real work to do:
+final-layout contract (:mod:`dlo_runtime.models.tiny_dit_contract`) has
+real work to do:
 
 - **Packed attention projections.** The runtime module has one
   ``attn.qkv`` linear; the canonical checkpoint stores ``attn.to_q``,
