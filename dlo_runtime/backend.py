@@ -26,7 +26,7 @@ range -> close the lease. An unregistration failure keeps the registration
 and the lease; ``close()`` may be called again to retry.
 
 Example:
-    >>> restore(model, lease)                                        # doctest: +SKIP
+    >>> restore_model(model, lease)                                  # doctest: +SKIP
     >>> handle = enable_layerwise_offload(model, list(model.blocks), device="cuda:0",
     ...                                   source=LeaseCarrier(lease))
     >>> y = model(x); handle.stats.transport
@@ -161,7 +161,7 @@ def _lease_blocks(streamed: Sequence[tuple[str, nn.Module, list[Slot]]], lease: 
             s, view = local[name], views[name]
             t = s.tensor
             if t.data_ptr() != view.data_ptr():
-                raise FailedPrecondition(f"offload block {qual!r}: {name} is not bound to the lease; call restore() first")
+                raise FailedPrecondition(f"offload block {qual!r}: {name} is not bound to the lease; call restore_model() first")
             te = entries[name]
             members.append(_Member(s.module, s.attr, s.is_parameter, te.offset - entry.begin, te.nbytes,
                                    t.dtype, tuple(t.shape), view))

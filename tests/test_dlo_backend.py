@@ -10,7 +10,7 @@ import torch
 
 from hwr_client.carrier import LeaseCarrier
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
-from dlo_runtime import ORDINARY, STAGING, OffloadOptions, enable_layerwise_offload, restore
+from dlo_runtime import ORDINARY, STAGING, OffloadOptions, enable_layerwise_offload, restore_model
 from tests.test_dlo_common import TestLease, make_artifact, reference, skeleton
 
 
@@ -18,7 +18,7 @@ def _warm(tmp_path, n_blocks: int):
     ref = reference(n_blocks)
     lease = TestLease(make_artifact(tmp_path, ref))
     skel = skeleton(n_blocks)
-    restore(skel, lease)
+    restore_model(skel, lease)
     return ref, lease, skel
 
 

@@ -19,7 +19,7 @@ import contextlib
 import pytest
 import torch
 
-from dlo_runtime import OffloadBackend, OffloadOptions, restore
+from dlo_runtime import OffloadBackend, OffloadOptions, restore_model
 from tests.test_dlo_common import FakeRegistrar, TestLease, make_artifact, reference, skeleton
 
 
@@ -72,7 +72,7 @@ def _instrumented(tmp_path, n_blocks, registrar):
     ref = reference(n_blocks)
     lease = TestLease(make_artifact(tmp_path, ref))
     skel = skeleton(n_blocks)
-    restore(skel, lease)
+    restore_model(skel, lease)
     b = OffloadBackend(skel, list(skel.blocks), OffloadOptions(device="cpu", registrar=registrar, chunk_bytes=8192),
                        source=lease)
     cu = b._cu = FakeCuda()
