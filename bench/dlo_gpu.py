@@ -14,7 +14,7 @@
 
 Prints a table and writes JSON (default bench/results/dlo_gpu.json). Exits 2
 without a CUDA device. NOTE: written without a GPU at hand; the first CUDA
-run is its first run (see /work/team/readme-issue5.md).
+run is its first run (README.md, "DLO runtime" → "What ran where").
 """
 
 from __future__ import annotations

@@ -124,7 +124,9 @@ def _align(n: int) -> int:
 
 def _set(owner: nn.Module, attr: str, is_parameter: bool, tensor: torch.Tensor) -> None:
     if is_parameter:
-        owner._parameters[attr].data = tensor  # keeps the Parameter object (hooks, references)
+        param = owner._parameters[attr]
+        assert param is not None, f"{attr}: a streamed parameter slot is never None"
+        param.data = tensor  # keeps the Parameter object (hooks, references)
     else:
         owner._buffers[attr] = tensor
 
@@ -440,10 +442,12 @@ class OffloadBackend:
 
     @property
     def transport(self) -> str:
+        """The transport chosen at start (``registered``, ``staging``...)."""
         return self._choice.kind
 
     @property
     def stats(self) -> OffloadStats:
+        """A snapshot of what the backend uses and has done (valid after close)."""
         c = self._choice
         blocks = tuple(BlockStats(name, nbytes, *self._counts[j]) for j, (name, nbytes) in enumerate(self._meta))
         return OffloadStats(

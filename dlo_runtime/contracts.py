@@ -100,6 +100,7 @@ class LoadCounters:
     checkpoint_bytes_read: int = 0
 
     def reset(self) -> None:
+        """Sets every counter back to zero."""
         self.producer_calls = self.bytes_materialized = self.checkpoint_bytes_read = 0
 
 
@@ -311,6 +312,11 @@ class GenericContract(Contract):
         return torch.float32 if any(k in name for k in self.keep_fp32) else self.dtype
 
     def build_skeleton(self, checkpoint_dir: str) -> nn.Module:
+        """``model_factory()`` under the meta device, cast to the runtime dtypes.
+
+        Raises:
+            InvalidArgument: no ``model_factory``.
+        """
         if self.model_factory is None:
             raise InvalidArgument(f"contract {self.name}: build_skeleton needs a model_factory (a module class to build)")
         with torch.device("meta"):
@@ -320,9 +326,11 @@ class GenericContract(Contract):
         return model
 
     def transforms(self, checkpoint_dir: str, model: nn.Module) -> list[Transform]:
+        """A cast per runtime tensor, from the checkpoint tensor of the same name."""
         return [Transform(n, "cast", (n,), t.dtype) for n, t in model.state_dict(keep_vars=True).items()]
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The modules of the name-derived blocks (``layers.N``...), in order."""
         modules = dict(model.named_modules())
         return [modules[prefix[:-1]] for prefix, _ in derive_blocks(list(model.state_dict())) if prefix[:-1] in modules]
 

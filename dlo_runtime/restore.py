@@ -248,6 +248,9 @@ def restore_model(module: nn.Module, lease: Any) -> RestoreResult:
 
 
 class TensorSnapshot(NamedTuple):
+    """One tensor before or after shared finalization: where it lives and
+    a digest of its bytes."""
+
     data_ptr: int
     nbytes: int
     digest: int  # xxh3_64 of the bytes (0: inside a read-only mapping)

@@ -256,13 +256,13 @@ class StartupTransaction:
             backend.start()
             self._enter(Stage.BACKEND_READY)
         except RegistrationAborted as exc:
-            plan = None
+            del plan  # the plan holds views into the lease: drop them with the model
             self._record("FAILED", f"registration stuck, lease kept open: {exc}")
             self._note_backend(backend)
             discard_model(skeleton)
             raise
         except Exception as exc:
-            plan = None
+            del plan  # the plan holds views into the lease: drop them with the model
             self._abort_after_commit(exc, lease, carrier, backend, skeleton)
             if self.mode is Mode.REQUIRED:
                 self._record("FAILED", str(exc))

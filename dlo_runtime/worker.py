@@ -109,6 +109,7 @@ class StartupReport:
     publish: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready values."""
         return dataclasses.asdict(self)
 
 
@@ -182,7 +183,7 @@ class Worker:
 def _as_dict(report: Any) -> dict[str, Any]:
     if report is None:
         return {}
-    if dataclasses.is_dataclass(report):
+    if dataclasses.is_dataclass(report) and not isinstance(report, type):
         return {k: v for k, v in dataclasses.asdict(report).items() if isinstance(v, (str, int, float, bool, type(None)))}
     if isinstance(report, dict):
         return dict(report)
@@ -332,7 +333,7 @@ def _resolve(client: Any, identity: Any, mode: Mode, verify: str, phases: _Phase
 def output_digest(tensor: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes (bitwise output parity across processes)."""
     raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(memoryview(raw)).hexdigest()
+    return hashlib.sha256(raw.data).hexdigest()
 
 
 def pss_kib(pid: int | str = "self") -> int:
@@ -401,6 +402,7 @@ def _progress_printer(what: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m dlo_runtime.worker``: start one worker, print one JSON line."""
     parser = argparse.ArgumentParser(prog="python -m dlo_runtime.worker", description=__doc__.split("\n")[0])
     parser.add_argument("--contract", default="tiny-dit")
     parser.add_argument("--checkpoint", required=True)

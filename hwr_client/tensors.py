@@ -7,9 +7,10 @@ the wire conversion) is :mod:`hwr_client.core.plan`, which the daemon uses.
 
 from __future__ import annotations
 
+import io
 import mmap as _mmap
 import os
-from typing import BinaryIO, Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -212,7 +213,7 @@ class SafetensorsFile:
         self.entries: list[HeaderEntry] = header.tensors()
         # The mapping holds its own reference to the file: only readinto
         # needs the file object open.
-        self._file: BinaryIO | None = None if mmap else f
+        self._file: io.BufferedReader | None = None if mmap else f
         if mmap:
             f.close()
         self.mmap = mmap
@@ -236,7 +237,7 @@ class SafetensorsFile:
         assert self._file is not None
         buf = torch.empty(e.end - e.begin, dtype=torch.uint8)
         self._file.seek(self._data_start + e.begin)
-        got = self._file.readinto(memoryview(buf.numpy()))
+        got = self._file.readinto(buf.numpy().data)
         if got != e.end - e.begin:
             raise FailedPrecondition(f"{self.path}: short read of tensor {e.name!r}, {got} of {e.end - e.begin} "
                                      "bytes; expected an unchanged file")

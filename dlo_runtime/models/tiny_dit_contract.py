@@ -29,6 +29,7 @@ class TinyDiTContract(Contract):
 
     def transforms(self, checkpoint_dir: str, model: nn.Module) -> list[Transform]:
         """Pack for ``attn.qkv``, computed for the two tables, cast for the rest."""
+        assert isinstance(model, tiny_dit.TinyDiT), f"contract {self.name}: expected a TinyDiT, got {type(model).__name__}"
         cfg = model.config
         computed = {"pos_embed": lambda: tiny_dit.pos_embed_table(cfg),
                     "t_embedder.freqs": lambda: tiny_dit.timestep_freqs(cfg)}
@@ -45,4 +46,5 @@ class TinyDiTContract(Contract):
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """``model.blocks``, in execution order."""
+        assert isinstance(model, tiny_dit.TinyDiT), f"contract {self.name}: expected a TinyDiT, got {type(model).__name__}"
         return list(model.blocks)
