@@ -28,7 +28,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dlo_runtime import enable_layerwise_offload, restore  # noqa: E402
+from dlo_runtime import enable_layerwise_offload, restore_model  # noqa: E402
 from dlo_runtime.cuda_host import HostCapability  # noqa: E402
 from hwr_client.lease import local_lease  # noqa: E402
 from hwr_client.local import write_artifact  # noqa: E402
@@ -138,7 +138,7 @@ def run(n_blocks: int, width: int, tokens: int, repeats: int, threads: int = 1) 
         expected = ref(x)
 
         skel = Model(n_blocks, width).to("meta")
-        restore(skel, lease)
+        restore_model(skel, lease)
         handle = enable_layerwise_offload(skel, list(skel.blocks), device="cpu", source=lease,
                                           registrar=_MappedCpuRegistrar())
         private = Model(n_blocks, width).eval()

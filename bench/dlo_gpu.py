@@ -14,7 +14,7 @@
 
 Prints a table and writes JSON (default bench/results/dlo_gpu.json). Exits 2
 without a CUDA device. NOTE: written without a GPU at hand; the first CUDA
-run is its first run (see /work/team/readme-issue5.md).
+run is its first run (README.md, "DLO runtime" → "What ran where").
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dlo_runtime import enable_layerwise_offload, restore  # noqa: E402
+from dlo_runtime import enable_layerwise_offload, restore_model  # noqa: E402
 from dlo_runtime.cuda_host import CudaRegistrar, NullRegistrar  # noqa: E402
 from dlo_runtime.transports import register_regions  # noqa: E402
 from hwr_client.lease import local_lease  # noqa: E402
@@ -133,7 +133,7 @@ def _offload_pass(directory, manifest, paths, n, width, x, registrar, repeats) -
     lease = local_lease(manifest, paths)
     with torch.device("meta"):
         model = Model(n, width)
-    restore(model, lease)
+    restore_model(model, lease)
     handle = enable_layerwise_offload(model, list(model.blocks), device="cuda", source=lease, registrar=registrar)
     with torch.no_grad():
         model(x)  # warm-up

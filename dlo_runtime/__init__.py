@@ -1,8 +1,9 @@
 """Layerwise offload (DLO) runtime fed from HWR leases.
 
-- :func:`restore` — warm restore of a skeleton from a lease (plan, then
-  commit; no copy) and :func:`finalize_shared` (proves shared finalization
-  byte- and pointer-neutral).
+- :func:`restore_model` — warm restore of a skeleton from a lease (plan,
+  then commit; no copy) and :func:`finalize_shared` (proves shared
+  finalization byte- and pointer-neutral). The function is not called
+  ``restore``, so ``dlo_runtime.restore`` is always the submodule.
 - :func:`enable_layerwise_offload` — two rotating device buffers, one
   contiguous copy per block, host transports registered / staging / ordinary.
 - :class:`StartupTransaction` — the recorded, failure-safe hand-over of a
@@ -12,21 +13,23 @@
 """
 
 from dlo_runtime.backend import BlockStats, OffloadBackend, OffloadStats, enable_layerwise_offload, retained
-from dlo_runtime.canonical import CanonicalOptions, LoadReport, iter_checkpoint, load_canonical_into
+from dlo_runtime.canonical import CanonicalOptions, LoadReport, load_canonical_into
+from dlo_runtime.checkpoint import CheckpointReader, iter_checkpoint
 from dlo_runtime.cuda_host import CudaRegistrar, HostCapability, NullRegistrar, Registrar
-from dlo_runtime.restore import RestorePlan, RestoreResult, commit_restore, finalize_shared, plan_restore, restore
-from dlo_runtime.transaction import (
-    BackendOptions, ModelRecipe, Outcome, Stage, StartupResult, StartupTransaction, discard_model,
-)
+from dlo_runtime.options import OffloadOptions
+from dlo_runtime.restore import RestorePlan, RestoreResult, commit_restore, finalize_shared, plan_restore, restore_model
+from dlo_runtime.transaction import ModelRecipe, Stage, StartupResult, StartupTransaction, discard_model
 from dlo_runtime.transports import (
     ORDINARY, REGISTERED, STAGING, UNIFIED, RegistrationAborted, TransportChoice, UnregisterFailed,
 )
+# One definition of modes and outcomes for the client and the runtime.
+from hwr_client.resolve import Mode, Outcome
 
 __all__ = [
-    "BackendOptions", "BlockStats", "CanonicalOptions", "CudaRegistrar", "HostCapability", "LoadReport",
-    "ModelRecipe", "NullRegistrar", "ORDINARY", "OffloadBackend", "OffloadStats", "Outcome", "REGISTERED",
-    "Registrar", "RegistrationAborted", "RestorePlan", "RestoreResult", "STAGING", "Stage", "StartupResult",
-    "StartupTransaction", "TransportChoice", "UNIFIED", "UnregisterFailed", "commit_restore", "discard_model",
-    "enable_layerwise_offload", "finalize_shared", "iter_checkpoint", "load_canonical_into", "plan_restore",
-    "restore", "retained",
+    "BlockStats", "CanonicalOptions", "CheckpointReader", "CudaRegistrar", "HostCapability", "LoadReport", "Mode",
+    "ModelRecipe", "NullRegistrar", "ORDINARY", "OffloadBackend", "OffloadOptions", "OffloadStats", "Outcome",
+    "REGISTERED", "Registrar", "RegistrationAborted", "RestorePlan", "RestoreResult", "STAGING", "Stage",
+    "StartupResult", "StartupTransaction", "TransportChoice", "UNIFIED", "UnregisterFailed", "commit_restore",
+    "discard_model", "enable_layerwise_offload", "finalize_shared", "iter_checkpoint", "load_canonical_into",
+    "plan_restore", "restore_model", "retained",
 ]

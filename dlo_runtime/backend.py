@@ -13,10 +13,11 @@ Block j's forward pre-hook waits for its copy and binds its views; its
 forward hook records "compute done" on the slot, unbinds, and issues the copy
 of block j+2 into the same slot on the copy stream, which waits for that
 event first. So block j+1's copy is in flight while block j runs. With two
-or fewer streamed blocks everything stays loaded after the first copy. On a
-CPU "device" one copy thread plays the copy stream: copies run in issue order
-beside the compute, a block's pre-hook waits for its copy, and compute (which
-is synchronous there) needs no event; every other rule is the same code.
+or fewer streamed blocks everything stays loaded after the first copy. How
+a copy is issued and waited for is the copy engine's
+(:mod:`dlo_runtime.copy_engine`): CUDA streams and events, or on a CPU
+"device" one copy thread playing the copy stream; the schedule here is the
+same code for both.
 
 Ownership: the backend takes the lease (from a :class:`LeaseCarrier`, once)
 before any asynchronous work, and its teardown runs, in order: drain device
@@ -25,7 +26,7 @@ range -> close the lease. An unregistration failure keeps the registration
 and the lease; ``close()`` may be called again to retry.
 
 Example:
-    >>> restore(model, lease)                                        # doctest: +SKIP
+    >>> restore_model(model, lease)                                  # doctest: +SKIP
     >>> handle = enable_layerwise_offload(model, list(model.blocks), device="cuda:0",
     ...                                   source=LeaseCarrier(lease))
     >>> y = model(x); handle.stats.transport
@@ -35,11 +36,8 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
-import queue
-import threading
 from typing import Any, Sequence
 
 import torch
@@ -48,10 +46,12 @@ from torch import nn
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_client.core.layout import ALIGN
 
-from dlo_runtime.cuda_host import Registrar, default_registrar
+from dlo_runtime.copy_engine import CopyEngine, make_copy_engine
+from dlo_runtime.cuda_host import default_registrar
+from dlo_runtime.options import OffloadOptions
 from dlo_runtime.restore import Slot, tensor_slots
 from dlo_runtime.transports import (
-    MAX_CHUNK_BYTES, ORDINARY, STAGING, RegisteredRanges, RegistrationAborted, TransportChoice, choose_transport,
+    ORDINARY, STAGING, RegisteredRanges, RegistrationAborted, TransportChoice, choose_transport,
 )
 
 log = logging.getLogger(__name__)
@@ -118,51 +118,15 @@ class OffloadStats:
     blocks: tuple[BlockStats, ...]
 
 
-class _CopyThread:
-    """The copy stream of a CPU "device": one thread that runs block copies
-    in the order they were issued, so the copy of block j+1 overlaps the
-    compute of block j the way an H2D copy on a CUDA copy stream does
-    (torch releases the GIL inside ``copy_``). Started on first use."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self.ident: int | None = None  # the copying thread (tests check copies ran there)
-
-    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> concurrent.futures.Future:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="dlo-copy", daemon=True)
-            self._thread.start()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((done, dst, src))
-        return done
-
-    def _run(self) -> None:
-        self.ident = threading.get_ident()
-        while (item := self._queue.get()) is not None:
-            done, dst, src = item
-            try:
-                dst.copy_(src)
-            except BaseException as exc:  # raised where the copy is waited for
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
-
-    def close(self) -> None:
-        """Stops the thread after the copies already issued."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join()
-
-
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _set(owner: nn.Module, attr: str, is_parameter: bool, tensor: torch.Tensor) -> None:
     if is_parameter:
-        owner._parameters[attr].data = tensor  # keeps the Parameter object (hooks, references)
+        param = owner._parameters[attr]
+        assert param is not None, f"{attr}: a streamed parameter slot is never None"
+        param.data = tensor  # keeps the Parameter object (hooks, references)
     else:
         owner._buffers[attr] = tensor
 
@@ -199,7 +163,7 @@ def _lease_blocks(streamed: Sequence[tuple[str, nn.Module, list[Slot]]], lease: 
             s, view = local[name], views[name]
             t = s.tensor
             if t.data_ptr() != view.data_ptr():
-                raise FailedPrecondition(f"offload block {qual!r}: {name} is not bound to the lease; call restore() first")
+                raise FailedPrecondition(f"offload block {qual!r}: {name} is not bound to the lease; call restore_model() first")
             te = entries[name]
             members.append(_Member(s.module, s.attr, s.is_parameter, te.offset - entry.begin, te.nbytes,
                                    t.dtype, tuple(t.shape), view))
@@ -237,33 +201,30 @@ class OffloadBackend:
     Construct, then :meth:`start`; the startup transaction uses the two
     steps to record BACKEND_OWNED (after construction took the lease) and
     BACKEND_READY (after start). Process-local: refuses pickling.
+
+    Args:
+        module: the model.
+        blocks: the streamable blocks of ``module`` in execution order.
+        options: device, transports and registration (default: CPU).
+        source: a lease, a LeaseCarrier holding one, or None; see
+            :func:`enable_layerwise_offload`.
+
+    Raises:
+        InvalidArgument: bad arguments (nothing taken, nothing changed).
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        blocks: Sequence[nn.Module],
-        *,
-        device: str | torch.device,
-        source: Any = None,
-        resident_blocks: int = 0,
-        pin_memory: bool = True,
-        registration_limit_gib: float = 0.0,
-        registrar: Registrar | None = None,
-        chunk_bytes: int = MAX_CHUNK_BYTES,
-    ):
-        self.device = torch.device(device)
+    def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], options: OffloadOptions | None = None,
+                 *, source: Any = None):
+        self.options = options = options or OffloadOptions()
+        self.device = torch.device(options.device)
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         blocks = list(blocks)
-        _validate(module, blocks, resident_blocks, registration_limit_gib)
+        _validate(module, blocks, options.resident_blocks, options.registration_limit_gib)
         self._module: nn.Module | None = module
         self._all_blocks = blocks
-        self._resident = resident_blocks
-        self._pin = pin_memory
-        self._limit_gib = registration_limit_gib
-        self._registrar = registrar or default_registrar(self.device)
-        self._chunk_bytes = chunk_bytes
+        self._resident = options.resident_blocks
+        self._registrar = options.registrar or default_registrar(self.device)
         # Single take, before any asynchronous work: from here on only this
         # backend's abort/close may drain work and close the lease.
         self._lease = source.take() if hasattr(source, "take") else source
@@ -283,12 +244,11 @@ class OffloadBackend:
         self._cuda = self.device.type == "cuda"
         #: Stream/event API and whether copies are asynchronous: torch.cuda
         #: on a CUDA device. A seam: CPU tests swap in a recording fake to
-        #: check the event ordering of the asynchronous schedule.
+        #: check the event ordering of the asynchronous schedule. Read once,
+        #: when start() builds the copy engine.
         self._cu: Any = torch.cuda
         self._async = self._cuda
-        #: Off CUDA: the copy thread and, per slot, its last copy in flight.
-        self._copier = _CopyThread()
-        self._pending: list[concurrent.futures.Future | None] = [None, None]
+        self._engine: CopyEngine | None = None
 
     # -- setup ----------------------------------------------------------------
 
@@ -318,10 +278,12 @@ class OffloadBackend:
 
     def _setup(self) -> None:
         assert self._module is not None
+        # First: from here on teardown drains through the engine.
+        self._engine = make_copy_engine(self.device, cu=self._cu, asynchronous=self._async)
         cap = self._registrar.capability(self.device)
         self._unified = cap.unified_memory
         streamed = self._all_blocks[self._resident :]
-        pin = self._pin and self._cuda and not self._unified
+        pin = self.options.pin_memory and self._cuda and not self._unified
         names = {id(m): n for n, m in self._module.named_modules()}
         walks = [(names[id(b)], b, tensor_slots(b).slots) for b in streamed]
         # Collected before packing repoints the block tensors: everything
@@ -332,8 +294,9 @@ class OffloadBackend:
         else:
             self._blocks = [_pack_block(qual, b, slots, pin=pin) for qual, b, slots in walks]
         self._make_resident(skip | {id(m.host) for b in self._blocks for m in b.members})
-        self._choice = choose_transport(self._registrar, cap, self._lease, pin_memory=self._pin,
-                                        registration_limit_gib=self._limit_gib, chunk_bytes=self._chunk_bytes)
+        o = self.options
+        self._choice = choose_transport(self._registrar, cap, self._lease, pin_memory=o.pin_memory,
+                                        registration_limit_gib=o.registration_limit_gib, chunk_bytes=o.chunk_bytes)
         self._ranges = self._choice.ranges
         self.trail.append(f"transport:{self._choice.kind}")
         size = max((b.nbytes for b in self._blocks), default=0)
@@ -342,12 +305,6 @@ class OffloadBackend:
             self._staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._counts = [[0, 0, 0] for _ in self._blocks]
         self._meta = [(b.name, b.nbytes) for b in self._blocks]  # kept after close for reporting
-        if self._async:
-            cu = self._cu
-            self._copy_stream = cu.Stream(self.device)
-            self._copy_done = [cu.Event(), cu.Event()]
-            self._compute_done = [cu.Event(), cu.Event()]
-            self._staging_free = [cu.Event(), cu.Event()]
         for j, b in enumerate(self._blocks):
             self._hooks.append(b.module.register_forward_pre_hook(lambda m, a, j=j: self._pre(j)))
             self._hooks.append(b.module.register_forward_hook(lambda m, a, o, j=j: self._post(j)))
@@ -378,32 +335,11 @@ class OffloadBackend:
 
     def _load(self, j: int, slot: int) -> None:
         """One contiguous copy of block j into device buffer ``slot``."""
+        assert self._engine is not None
         blk = self._blocks[j]
-        dst = self._buffers[slot][: blk.nbytes]
-        src, host_copies = blk.host_bytes, 0
+        staging = self._staging[slot][: blk.nbytes] if self._staging else None
         self._slot_block[slot] = None
-        if self._async:
-            with self._cu.stream(self._copy_stream):
-                # Buffer reuse: the block that last ran from this slot must
-                # finish before its bytes are overwritten.
-                self._copy_stream.wait_event(self._compute_done[slot])
-                if self._staging:
-                    # Host wait: the previous DMA out of this staging slot
-                    # must finish before the memcpy overwrites its bytes.
-                    self._staging_free[slot].synchronize()
-                    src, host_copies = self._staging[slot][: blk.nbytes].copy_(src), 1
-                dst.copy_(src, non_blocking=True)
-                if self._staging:
-                    self._staging_free[slot].record(self._copy_stream)
-                self._copy_done[slot].record(self._copy_stream)
-        else:
-            # The slot's previous copy reads its staging slot and writes its
-            # buffer: it must finish before either is reused. (Its block's
-            # compute already finished: CPU compute is synchronous.)
-            self._wait_copy(slot)
-            if self._staging:
-                src, host_copies = self._staging[slot][: blk.nbytes].copy_(src), 1
-            self._pending[slot] = self._copier.submit(dst, src)
+        host_copies = self._engine.load(slot, self._buffers[slot][: blk.nbytes], blk.host_bytes, staging)
         self._slot_block[slot] = j
         c = self._counts[j]
         c[0] += 1
@@ -416,21 +352,18 @@ class OffloadBackend:
             other = self._slot_of((j - 1) % len(self._blocks))
             slot = 0 if other != 0 else 1
             self._load(j, slot)
-        if self._async:
-            # Compute must not read the buffer before its H2D copy landed.
-            self._cu.current_stream(self.device).wait_event(self._copy_done[slot])
-        else:
-            self._wait_copy(slot)  # same rule, on the host
+        assert self._engine is not None
+        # Compute must not read the buffer before its copy landed.
+        self._engine.before_compute(slot)
         raw = self._buffers[slot]
         for m in self._blocks[j].members:
             _set(m.owner, m.attr, m.is_parameter, _view(raw, m))
 
     def _post(self, j: int) -> None:
         slot = self._slot_of(j)
-        assert slot is not None, f"block {j} ran without being loaded"
-        if self._async:
-            # The next copy into this slot waits for this block's kernels.
-            self._compute_done[slot].record(self._cu.current_stream(self.device))
+        assert slot is not None and self._engine is not None, f"block {j} ran without being loaded"
+        # The next copy into this slot waits for this block's kernels.
+        self._engine.after_compute(slot)
         for m in self._blocks[j].members:
             _set(m.owner, m.attr, m.is_parameter, m.host)
         n = len(self._blocks)
@@ -440,24 +373,11 @@ class OffloadBackend:
 
     # -- teardown --------------------------------------------------------------
 
-    def _wait_copy(self, slot: int) -> None:
-        """Waits for the copy in flight into ``slot`` (off CUDA); re-raises
-        its error."""
-        pending, self._pending[slot] = self._pending[slot], None
-        if pending is not None:
-            pending.result()
-
     def _drain(self) -> None:
-        if self._async:
-            # Pending H2D copies read the mapping/staging and kernels read the
+        if self._engine is not None:
+            # Pending copies read the mapping/staging and compute reads the
             # buffers: both must finish before any of them is released.
-            self._cu.synchronize(self.device)
-        else:
-            # Same rule for the copy thread. A copy's error was (or would have
-            # been) raised where its block waited; teardown must not stop on it.
-            concurrent.futures.wait([p for p in self._pending if p is not None])
-            self._pending = [None, None]
-            self._copier.close()
+            self._engine.drain()
         self.trail.append("drain")
 
     def _release(self) -> None:
@@ -522,10 +442,12 @@ class OffloadBackend:
 
     @property
     def transport(self) -> str:
+        """The transport chosen at start (``registered``, ``staging``...)."""
         return self._choice.kind
 
     @property
     def stats(self) -> OffloadStats:
+        """A snapshot of what the backend uses and has done (valid after close)."""
         c = self._choice
         blocks = tuple(BlockStats(name, nbytes, *self._counts[j]) for j, (name, nbytes) in enumerate(self._meta))
         return OffloadStats(
@@ -561,41 +483,36 @@ def _validate(module: nn.Module, blocks: list[nn.Module], resident: int, limit_g
 def enable_layerwise_offload(
     module: nn.Module,
     blocks: Sequence[nn.Module],
+    options: OffloadOptions | None = None,
     *,
-    device: str | torch.device,
     source: Any = None,
-    resident_blocks: int = 0,
-    pin_memory: bool = True,
-    registration_limit_gib: float = 0.0,
-    registrar: Registrar | None = None,
-    chunk_bytes: int = MAX_CHUNK_BYTES,
+    **fields: Any,
 ) -> OffloadBackend:
     """Streams ``blocks`` of ``module`` through two device buffers.
 
     Args:
         module: the model; everything outside the streamed blocks moves to
-            ``device`` once.
+            the device once.
         blocks: the streamable blocks in execution order.
-        device: target device ("cuda:0", or "cpu" for synchronous copies).
+        options: an :class:`~dlo_runtime.options.OffloadOptions` (default:
+            CPU, no resident blocks, pin policy on, no registration ceiling).
         source: a lease (MappedArtifact API + close()), a LeaseCarrier
             holding one (taken once), or None for ordinary tensors. The
             module must have been restored from it. The backend owns it and
             closes it in :meth:`OffloadBackend.close`.
-        resident_blocks: leading blocks kept on the device, not streamed.
-        pin_memory: the pin policy; False disables registration and pinning.
-        registration_limit_gib: ceiling on registered bytes; 0 = none.
-        registrar: the CUDA registration seam (tests pass fakes).
-        chunk_bytes: largest range per cudaHostRegister call.
+        **fields: individual options (``device="cuda:0"``,
+            ``resident_blocks=2``...), applied over ``options``; see
+            :class:`~dlo_runtime.options.OffloadOptions` for each one's unit
+            and default.
 
     Returns:
         The started backend: ``close()`` and ``stats``.
 
     Raises:
+        TypeError: an unknown option name.
         InvalidArgument: bad arguments (nothing taken, nothing changed).
         FailedPrecondition: blocks do not match the lease.
         RegistrationAborted: rollback failed; startup must abort.
     """
-    backend = OffloadBackend(module, blocks, device=device, source=source, resident_blocks=resident_blocks,
-                             pin_memory=pin_memory, registration_limit_gib=registration_limit_gib,
-                             registrar=registrar, chunk_bytes=chunk_bytes)
-    return backend.start()
+    opts = (options or OffloadOptions()).updated(**fields)
+    return OffloadBackend(module, blocks, opts, source=source).start()

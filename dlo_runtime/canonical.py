@@ -7,10 +7,10 @@ checkpoint tensor is released as soon as it has been copied: the dict is
 *drained* (``pop``), and file readers yield one tensor at a time. Peak is the
 model plus one tensor.
 
-Two readers: :func:`iter_checkpoint` with ``mmap=True`` (safetensors
-``safe_open``: views of the mapped file) or ``mmap=False`` (each tensor read
-into its own buffer with ``readinto``: no mapping at all, what the startup
-transaction uses when it must bypass checkpoint mmap).
+The file reader is :func:`dlo_runtime.checkpoint.iter_checkpoint`, mapped
+(``mmap=True``) or reading each tensor into its own buffer (``mmap=False``:
+no mapping at all, what the startup transaction uses when it must bypass
+checkpoint mmap).
 
 Example:
     >>> skeleton.to_empty(device="cpu")                                   # doctest: +SKIP
@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-from typing import Callable, Iterable, Iterator, MutableMapping, Sequence
+from typing import Callable, Iterable, Iterator, MutableMapping
 
 import torch
 from torch import nn
 
 from hwr_client.core.errors import FailedPrecondition
-from hwr_client.core.layout import parse_header
-from hwr_client.tensors import TORCH_DTYPES
 
 from dlo_runtime.restore import module_tensors
 
@@ -48,6 +45,15 @@ class CanonicalOptions:
 
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
+    """What :func:`load_canonical_into` copied.
+
+    Attributes:
+        tensors: tensors copied.
+        nbytes: source bytes copied.
+        unexpected: source names the module has no tensor for.
+        missing: module tensors no source provided.
+    """
+
     tensors: int
     nbytes: int
     unexpected: tuple[str, ...]
@@ -115,38 +121,3 @@ def load_canonical_into(
         raise FailedPrecondition(f"canonical load: unexpected {unexpected[:5]}, missing {missing[:5]}")
     log.info("canonical load: %d tensors, %d bytes copied", len(seen), nbytes)
     return LoadReport(len(seen), nbytes, tuple(unexpected), tuple(missing))
-
-
-def iter_checkpoint(paths: Sequence[str], *, mmap: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) from safetensors files, one tensor at a time.
-
-    Args:
-        paths: checkpoint files.
-        mmap: True reads through safetensors' mapping; False reads each
-            tensor with ``readinto`` into its own buffer (no mapping).
-
-    Raises:
-        InvalidArgument: a malformed safetensors header.
-    """
-    for path in paths:
-        if mmap:
-            from safetensors import safe_open
-
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-            continue
-        with open(path, "rb") as f:
-            header = parse_header(f, os.fstat(f.fileno()).st_size, what=f"checkpoint {path}")
-            for e in header.tensors():
-                # No local keeps the tensor: the generator frame must not
-                # hold it while the caller copies it.
-                yield e.name, _read_tensor(f, header.data_start, e, path)
-
-
-def _read_tensor(f, data_start: int, e, path: str) -> torch.Tensor:
-    buf = torch.empty(e.end - e.begin, dtype=torch.uint8)
-    f.seek(data_start + e.begin)
-    if e.end > e.begin and f.readinto(memoryview(buf.numpy())) != e.end - e.begin:
-        raise FailedPrecondition(f"checkpoint {path}: short read of tensor {e.name!r}")
-    return buf.view(TORCH_DTYPES[e.dtype]).view(e.shape)

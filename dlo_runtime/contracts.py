@@ -21,10 +21,11 @@ A contract is the template a model author fills in to use HWR. It says:
 
 Two contracts ship:
 
-- ``tiny-dit`` (:class:`TinyDiTContract`): the reference DiT. Its checkpoint
-  differs from its runtime layout the way real ones do (q/k/v packed into one
-  ``qkv``; fp32 cast to bf16 with norms kept fp32; ``pos_embed`` and
-  ``t_embedder.freqs`` computed at load). Copy it for a real model.
+- ``tiny-dit`` (:class:`dlo_runtime.models.tiny_dit_contract.TinyDiTContract`,
+  beside its model): the reference DiT. Its checkpoint differs from its
+  runtime layout the way real ones do (q/k/v packed into one ``qkv``; fp32
+  cast to bf16 with norms kept fp32; ``pos_embed`` and ``t_embedder.freqs``
+  computed at load). Copy it for a real model.
 - ``generic-safetensors`` (:class:`GenericContract`): any safetensors
   checkpoint whose runtime names ARE its checkpoint names, cast only. Any
   Hugging Face transformer can use it: pass a ``model_factory`` that builds
@@ -37,14 +38,12 @@ Example (a Hugging Face model)::
     contract = GenericContract(model_factory=lambda: AutoModelForCausalLM.from_config(cfg))
     register_contract(contract)
     model = contract.build_skeleton(path)          # meta, no bytes
-    contract.canonical_load(model, path)           # or dlo_runtime.restore(model, lease)
+    contract.canonical_load(model, path)           # or dlo_runtime.restore_model(model, lease)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
-import hashlib
 import logging
 import os
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -54,15 +53,16 @@ from torch import nn
 
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_client.core.identity import Identity
-from hwr_client.core.layout import parse_header
-from hwr_client.tensors import torch_dtype
 from hwr_client.core.plan import derive_blocks
+from hwr_client.sources import build_identity
+
+from dlo_runtime.canonical import load_canonical_into
+from dlo_runtime.checkpoint import CheckpointReader, checkpoint_files, iter_checkpoint
 
 log = logging.getLogger(__name__)
 
 #: Default parallel layout: TP1, no sequence parallelism.
 DEFAULT_LAYOUT = {"tp_rank": 0, "tp_size": 1, "sp_size": 1, "sp_backend": "none"}
-_HASH_CHUNK = 8 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +100,7 @@ class LoadCounters:
     checkpoint_bytes_read: int = 0
 
     def reset(self) -> None:
+        """Sets every counter back to zero."""
         self.producer_calls = self.bytes_materialized = self.checkpoint_bytes_read = 0
 
 
@@ -131,15 +132,6 @@ def parse_layout(text: str | Mapping[str, Any] | None) -> dict[str, Any]:
             except ValueError:
                 raise InvalidArgument(f"layout {key}={value!r}: expected an integer") from None
     return layout
-
-
-def sha256_file(path: str) -> str:
-    """``sha256:<hex>`` of a file's bytes (the local fallback for source ids)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
 
 
 class Contract:
@@ -181,9 +173,7 @@ class Contract:
 
     def source_files(self, checkpoint_dir: str) -> list[str]:
         """Canonical files whose bytes determine the artifact (sorted paths)."""
-        files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
-        if not files:
-            raise InvalidArgument(f"checkpoint {checkpoint_dir}: no *.safetensors files; expected a safetensors checkpoint")
+        files = checkpoint_files(checkpoint_dir)
         config = os.path.join(checkpoint_dir, "config.json")
         return files + ([config] if os.path.exists(config) else [])
 
@@ -199,27 +189,13 @@ class Contract:
         Raises:
             InvalidArgument: bad layout or no checkpoint files.
         """
-        layout = parse_layout(layout)
-        files = self.source_files(checkpoint_dir)
-        producer = {"id": f"dlo_runtime.contracts/{self.name}", "version": self.producer_version}
-        build_identity = None
-        if client is not None:
-            try:
-                from hwr_client.sources import build_identity
-            except ImportError:  # the source-digest client is not installed
-                build_identity = None
-        if build_identity is not None:
-            return build_identity(
-                contract={"name": self.name, "version": self.version}, sources=files,
-                representation=dict(self.representation), layout=layout, producer=producer,
-                extra=self.extra(), client=client,
-            )
-        sources = [{"name": os.path.basename(p), "content_id": sha256_file(p)} for p in files]
-        return Identity.from_dict({
-            "contract": {"name": self.name, "version": self.version}, "sources": sources,
-            "representation": dict(self.representation), "layout": layout,
-            "producer": producer, "extra": self.extra(),
-        })
+        return build_identity(
+            contract={"name": self.name, "version": self.version}, sources=self.source_files(checkpoint_dir),
+            representation=dict(self.representation), layout=parse_layout(layout),
+            # A stable name, not a module path: it is part of every key.
+            producer={"id": f"dlo_runtime.contracts/{self.name}", "version": self.producer_version},
+            extra=self.extra(), client=client, local=client is None,
+        )
 
     def extra(self) -> dict[str, Any]:
         """Byte-relevant inputs not covered elsewhere (identity ``extra``)."""
@@ -296,114 +272,6 @@ def _bind(model: nn.Module, name: str, value: torch.Tensor) -> None:
         owner._buffers[attr] = value
 
 
-class CheckpointReader:
-    """Reads tensors from a (possibly sharded) safetensors checkpoint one at
-    a time and tracks which were consumed.
-
-    ``mmap=True`` reads through safetensors' ``safe_open``; ``mmap=False``
-    parses each header strictly and ``readinto``s every tensor into its own
-    buffer, never mapping the file.
-    """
-
-    def __init__(self, checkpoint_dir: str, *, mmap: bool = True):
-        from safetensors import safe_open
-
-        self._files: dict[str, Any] = {}
-        self._where: dict[str, str] = {}
-        self._entries: dict[str, tuple[int, Any]] = {}
-        self.mmap = mmap
-        for path in sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors"))):
-            if mmap:
-                handle = safe_open(path, framework="pt")
-                names = list(handle.keys())
-            else:
-                handle = open(path, "rb")
-                header = parse_header(handle, os.fstat(handle.fileno()).st_size, what=f"checkpoint {path}")
-                names = [e.name for e in header.tensors()]
-                self._entries.update({e.name: (header.data_start, e) for e in header.tensors()})
-            self._files[path] = handle
-            self._where.update({name: path for name in names})
-        self.bytes_read = 0
-
-    def names(self) -> list[str]:
-        return list(self._where)
-
-    def close(self) -> None:
-        """Closes the files (mapped tensors already handed out stay valid)."""
-        files, self._files = self._files, {}
-        for handle in files.values():
-            if hasattr(handle, "close"):
-                handle.close()
-
-    def __enter__(self) -> "CheckpointReader":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def take(self, name: str) -> torch.Tensor:
-        path = self._where.pop(name, None)
-        if path is None:
-            raise FailedPrecondition(f"checkpoint: tensor {name!r} missing (or read twice); the contract needs it")
-        if self.mmap:
-            tensor = self._files[path].get_tensor(name)
-        else:
-            tensor = self._read(self._files[path], path, *self._entries.pop(name))
-        self.bytes_read += tensor.nbytes
-        return tensor
-
-    @staticmethod
-    def _read(f: Any, path: str, data_start: int, e: Any) -> torch.Tensor:
-        buf = torch.empty(e.end - e.begin, dtype=torch.uint8)
-        f.seek(data_start + e.begin)
-        if e.end > e.begin and f.readinto(memoryview(buf.numpy())) != e.end - e.begin:
-            raise FailedPrecondition(f"checkpoint {path}: short read of tensor {e.name!r}")
-        return buf.view(torch_dtype(e.dtype)).view(e.shape)
-
-    def check_consumed(self, contract: str) -> None:
-        if self._where:
-            raise FailedPrecondition(
-                f"contract {contract}: checkpoint tensors {sorted(self._where)[:5]} are not used by any transform; "
-                "wrong checkpoint for this contract?"
-            )
-
-
-# -- the reference DiT ---------------------------------------------------------
-
-
-class TinyDiTContract(Contract):
-    """Final layout of :class:`dlo_runtime.models.tiny_dit.TinyDiT`:
-    bf16 weights, fp32 norms, packed qkv, computed ``pos_embed``/``freqs``."""
-
-    name = "tiny-dit"
-    version = 1
-    representation = {"dtype": "bfloat16", "policy": "fp32-norms"}
-
-    def build_skeleton(self, checkpoint_dir: str) -> nn.Module:
-        from dlo_runtime.models.tiny_dit import TinyDiT, TinyDiTConfig
-
-        return TinyDiT(TinyDiTConfig.load(checkpoint_dir), "meta")
-
-    def transforms(self, checkpoint_dir: str, model: nn.Module) -> list[Transform]:
-        from dlo_runtime.models import tiny_dit
-
-        cfg = model.config
-        computed = {"pos_embed": lambda: tiny_dit.pos_embed_table(cfg), "t_embedder.freqs": lambda: tiny_dit.timestep_freqs(cfg)}
-        out = []
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if name in computed:
-                out.append(Transform(name, "computed", (), tensor.dtype, computed[name]))
-            elif name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
-                stem, leaf = name.rsplit(".qkv.", 1)
-                out.append(Transform(name, "pack", tuple(f"{stem}.to_{x}.{leaf}" for x in "qkv"), tensor.dtype))
-            else:
-                out.append(Transform(name, "cast", (name,), tensor.dtype))
-        return out
-
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.blocks)
-
-
 # -- any safetensors checkpoint --------------------------------------------------
 
 
@@ -444,6 +312,11 @@ class GenericContract(Contract):
         return torch.float32 if any(k in name for k in self.keep_fp32) else self.dtype
 
     def build_skeleton(self, checkpoint_dir: str) -> nn.Module:
+        """``model_factory()`` under the meta device, cast to the runtime dtypes.
+
+        Raises:
+            InvalidArgument: no ``model_factory``.
+        """
         if self.model_factory is None:
             raise InvalidArgument(f"contract {self.name}: build_skeleton needs a model_factory (a module class to build)")
         with torch.device("meta"):
@@ -453,24 +326,21 @@ class GenericContract(Contract):
         return model
 
     def transforms(self, checkpoint_dir: str, model: nn.Module) -> list[Transform]:
+        """A cast per runtime tensor, from the checkpoint tensor of the same name."""
         return [Transform(n, "cast", (n,), t.dtype) for n, t in model.state_dict(keep_vars=True).items()]
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The modules of the name-derived blocks (``layers.N``...), in order."""
         modules = dict(model.named_modules())
         return [modules[prefix[:-1]] for prefix, _ in derive_blocks(list(model.state_dict())) if prefix[:-1] in modules]
 
     def canonical_load(self, model: nn.Module, checkpoint_dir: str, *, mmap: bool = True) -> nn.Module:
         """Cast-only load through :func:`dlo_runtime.canonical.load_canonical_into`
         (each checkpoint tensor released as soon as it is copied)."""
-        try:
-            from dlo_runtime.canonical import iter_checkpoint, load_canonical_into
-        except ImportError:  # the DLO canonical loader is not installed: same work, our reader
-            return super().canonical_load(model, checkpoint_dir, mmap=mmap)
         self.counters.producer_calls += 1
         model.to_empty(device="cpu")
         self.counters.bytes_materialized += sum(t.nbytes for t in model.state_dict(keep_vars=True).values())
-        files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
-        report = load_canonical_into(model, iter_checkpoint(files, mmap=mmap))
+        report = load_canonical_into(model, iter_checkpoint(checkpoint_files(checkpoint_dir), mmap=mmap))
         self.counters.checkpoint_bytes_read += report.nbytes
         return model
 
@@ -493,9 +363,21 @@ _CONTRACTS: dict[str, Contract] = {}
 
 
 def register_contract(contract: Contract) -> Contract:
-    """Makes ``contract`` available by name (``hwr prewarm --contract``)."""
+    """Makes ``contract`` available by name (``hwr prewarm --contract``);
+    a later registration of the same name replaces the earlier one."""
     _CONTRACTS[contract.name] = contract
     return contract
+
+
+def _register_shipped() -> None:
+    """Registers the contracts that ship, once, without replacing one a
+    caller registered under the same name first. The reference model's
+    contract lives beside the model and subclasses :class:`Contract`, so it
+    is imported here, on first lookup, not when this module loads."""
+    from dlo_runtime.models.tiny_dit_contract import TinyDiTContract
+
+    for contract in (TinyDiTContract(), GenericContract()):
+        _CONTRACTS.setdefault(contract.name, contract)
 
 
 def get_contract(name: str) -> Contract:
@@ -504,6 +386,7 @@ def get_contract(name: str) -> Contract:
     Raises:
         InvalidArgument: unknown name (the message lists the known ones).
     """
+    _register_shipped()
     try:
         return _CONTRACTS[name]
     except KeyError:
@@ -511,11 +394,9 @@ def get_contract(name: str) -> Contract:
 
 
 def contract_names() -> list[str]:
+    """Names of the registered contracts, sorted."""
+    _register_shipped()
     return sorted(_CONTRACTS)
-
-
-register_contract(TinyDiTContract())
-register_contract(GenericContract())
 
 
 def check_no_meta(model: nn.Module) -> None:

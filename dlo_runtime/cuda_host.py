@@ -21,8 +21,8 @@ no shared ``libcudart`` is loaded (a static build), registration falls back to
 errors cannot be cleared, which makes the registrar decline registration:
 an error we cannot clear would poison the next unrelated CUDA call.
 
-None of this code ran on a GPU while it was written (see
-``/work/team/readme-issue5.md``); it follows the CUDA runtime API reference.
+None of this code ran on a GPU while it was written (README.md, "DLO
+runtime" → "What ran where"); it follows the CUDA runtime API reference.
 """
 
 from __future__ import annotations
@@ -74,13 +74,21 @@ class Registrar(Protocol):
     (0 = cudaSuccess); they never raise for a CUDA error.
     """
 
-    def capability(self, device: torch.device) -> HostCapability: ...
+    def capability(self, device: torch.device) -> HostCapability:
+        """What ``device``'s platform supports (probed once per call)."""
+        ...
 
-    def register(self, address: int, nbytes: int, flags: int) -> int: ...
+    def register(self, address: int, nbytes: int, flags: int) -> int:
+        """cudaHostRegister of ``nbytes`` at ``address`` with ``flags``."""
+        ...
 
-    def unregister(self, address: int) -> int: ...
+    def unregister(self, address: int) -> int:
+        """cudaHostUnregister of the range registered at ``address``."""
+        ...
 
-    def clear_error(self) -> int: ...
+    def clear_error(self) -> int:
+        """Returns and resets this thread's last CUDA error."""
+        ...
 
 
 class NullRegistrar:
@@ -91,15 +99,19 @@ class NullRegistrar:
         self.reason = reason
 
     def capability(self, device: torch.device) -> HostCapability:
+        """No registration, with ``reason``."""
         return HostCapability(device.type, False, False, False, False, self.reason)
 
     def register(self, address: int, nbytes: int, flags: int) -> int:
+        """Never called: the capability says no (a call is a policy bug)."""
         raise AssertionError("NullRegistrar.register called: the capability probe said no")
 
     def unregister(self, address: int) -> int:
+        """Never called: nothing was registered (a call is a policy bug)."""
         raise AssertionError("NullRegistrar.unregister called: nothing was registered")
 
     def clear_error(self) -> int:
+        """Nothing to clear: 0 (cudaSuccess)."""
         return 0
 
 
@@ -166,11 +178,13 @@ class CudaRegistrar:
         return HostCapability("cuda", bool(supported), bool(read_only), bool(page_tables), bool(integrated), reason)
 
     def register(self, address: int, nbytes: int, flags: int) -> int:
+        """cudaHostRegister; returns the cudaError_t code."""
         if self._lib is not None:
             return int(self._lib.cudaHostRegister(ctypes.c_void_p(address), nbytes, flags))
         return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, flags))
 
     def unregister(self, address: int) -> int:
+        """cudaHostUnregister; returns the cudaError_t code."""
         if self._lib is not None:
             return int(self._lib.cudaHostUnregister(ctypes.c_void_p(address)))
         return int(torch.cuda.cudart().cudaHostUnregister(address))

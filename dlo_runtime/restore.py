@@ -7,13 +7,13 @@ nothing would be left on the meta device. :func:`commit_restore` then binds
 each parameter and buffer to its read-only view: no byte is copied. A plan
 that fails raises and leaves the module exactly as it was.
 
-:func:`restore` is plan + commit. :func:`finalize_shared` runs shared
+:func:`restore_model` is plan + commit. :func:`finalize_shared` runs shared
 (non-byte-changing) finalization and proves it changed neither the restored
 bytes nor their data pointers.
 
 Example:
     >>> with client.acquire(key) as lease:           # doctest: +SKIP
-    ...     result = restore(skeleton, lease)
+    ...     result = restore_model(skeleton, lease)
     ...     finalize_shared(skeleton, lambda m: m.eval())
 """
 
@@ -58,7 +58,7 @@ class RestorePlan:
 
 @dataclasses.dataclass(frozen=True)
 class RestoreResult:
-    """What :func:`restore` did. ``copies`` is always 0: tensors are views."""
+    """What :func:`restore_model` did. ``copies`` is always 0: tensors are views."""
 
     tensors: int
     parameters: int
@@ -222,7 +222,7 @@ def commit_restore(module: nn.Module, plan: RestorePlan) -> RestoreResult:
     return RestoreResult(params + buffers, params, buffers, plan.nbytes, 0)
 
 
-def restore(module: nn.Module, lease: Any) -> RestoreResult:
+def restore_model(module: nn.Module, lease: Any) -> RestoreResult:
     """Plans, then commits, a warm restore of ``module`` from ``lease``.
 
     Args:
@@ -237,7 +237,7 @@ def restore(module: nn.Module, lease: Any) -> RestoreResult:
             stayed on meta.
 
     Example:
-        >>> result = restore(skeleton, lease)  # doctest: +SKIP
+        >>> result = restore_model(skeleton, lease)  # doctest: +SKIP
         >>> result.copies
         0
     """
@@ -248,6 +248,9 @@ def restore(module: nn.Module, lease: Any) -> RestoreResult:
 
 
 class TensorSnapshot(NamedTuple):
+    """One tensor before or after shared finalization: where it lives and
+    a digest of its bytes."""
+
     data_ptr: int
     nbytes: int
     digest: int  # xxh3_64 of the bytes (0: inside a read-only mapping)

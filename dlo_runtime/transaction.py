@@ -17,8 +17,11 @@ Failure rules (seed "Pre-service transaction boundary"):
   checkpoint mmap bypassed, ``required`` fails;
 - a registration whose rollback failed aborts startup in both modes, with
   the lease kept open (closing it would unmap memory the driver holds);
-- a lookup error other than a miss is FAILED in both modes (never silently a
-  miss).
+- what a miss means in each mode, and that a lookup error other than a miss
+  is FAILED in both modes, is decided once, by
+  :func:`hwr_client.resolve.resolve`: the transaction consumes its
+  :class:`~hwr_client.resolve.Resolution` (LOCAL_HIT: warm start;
+  CANONICAL_FALLBACK: canonical load; FAILED: raise).
 
 Model construction is the caller's (:class:`ModelRecipe`), so any model can
 plug in; this module only sequences it.
@@ -37,17 +40,20 @@ from torch import nn
 
 from hwr_client.carrier import LeaseCarrier
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from hwr_client.resolve import Mode, Outcome, Resolution, parse_mode
 
 from dlo_runtime.backend import OffloadBackend
 from dlo_runtime.canonical import CanonicalOptions
-from dlo_runtime.cuda_host import Registrar
 from dlo_runtime.restore import commit_restore, finalize_shared, plan_restore
-from dlo_runtime.transports import MAX_CHUNK_BYTES, RegistrationAborted
+from dlo_runtime.options import OffloadOptions
+from dlo_runtime.transports import RegistrationAborted
 
 log = logging.getLogger(__name__)
 
 
 class Stage(str, enum.Enum):
+    """Where a warm start is; the trail records each one reached, in order."""
+
     UNRESOLVED = "UNRESOLVED"
     LEASE_OWNED_BY_LOADER = "LEASE_OWNED_BY_LOADER"
     RESTORE_PLANNED = "RESTORE_PLANNED"
@@ -56,16 +62,6 @@ class Stage(str, enum.Enum):
     BACKEND_OWNED = "BACKEND_OWNED"
     BACKEND_READY = "BACKEND_READY"
     IN_SERVICE = "IN_SERVICE"
-
-
-class Outcome(str, enum.Enum):
-    LOCAL_HIT = "LOCAL_HIT"
-    CANONICAL_FALLBACK = "CANONICAL_FALLBACK"
-    DISABLED = "DISABLED"
-    FAILED = "FAILED"
-
-
-MODES = ("disabled", "preferred", "required")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,19 +93,16 @@ class ModelRecipe:
 
 
 @dataclasses.dataclass(frozen=True)
-class BackendOptions:
-    """enable_layerwise_offload's options, minus module/blocks/source."""
-
-    device: str = "cpu"
-    resident_blocks: int = 0
-    pin_memory: bool = True
-    registration_limit_gib: float = 0.0
-    registrar: Registrar | None = None
-    chunk_bytes: int = MAX_CHUNK_BYTES
-
-
-@dataclasses.dataclass(frozen=True)
 class StartupResult:
+    """A start that reached IN_SERVICE.
+
+    Attributes:
+        outcome: LOCAL_HIT, CANONICAL_FALLBACK or DISABLED.
+        model: the model in service.
+        backend: its started offload backend (owns the lease on a hit).
+        trail: every stage and action, in order.
+    """
+
     outcome: Outcome
     model: nn.Module
     backend: OffloadBackend
@@ -133,26 +126,37 @@ class StartupTransaction:
     """One worker start. ``run()`` once; read ``trail`` afterwards (also on
     failure).
 
+    The mode rule (what a miss, an unusable artifact or an unreachable
+    daemon means in each mode) is applied once, by
+    :func:`hwr_client.resolve.resolve`; the transaction acts on the
+    :class:`~hwr_client.resolve.Resolution` it returns and owns only the
+    rules after a hit (plan, commit, hand-over, recovery).
+
     Args:
-        mode: "disabled", "preferred" or "required".
+        mode: a :class:`~hwr_client.resolve.Mode` or its string value.
         recipe: how to build and load the model.
-        acquire: the loader's lookup: returns a lease (MappedArtifact API +
-            close()) on a hit, None (or raises NotFound) on a miss.
-        options: backend options.
+        resolve: the loader's lookup, called once unless ``mode`` is
+            disabled: returns the Resolution of this start's identity,
+            resolved in ``mode`` (on LOCAL_HIT the transaction owns its
+            lease from then on).
+        options: offload backend options.
+
+    Raises:
+        InvalidArgument: ``mode`` is not a mode.
 
     Example:
-        >>> tx = StartupTransaction("preferred", recipe, lambda: client.resolve(identity).lease)  # doctest: +SKIP
-        >>> result = tx.run(); result.outcome
+        >>> tx = StartupTransaction("preferred", recipe,                           # doctest: +SKIP
+        ...                         lambda: client.resolve(identity, mode="preferred"))
+        >>> result = tx.run(); result.outcome                                      # doctest: +SKIP
         <Outcome.LOCAL_HIT: 'LOCAL_HIT'>
     """
 
-    def __init__(self, mode: str, recipe: ModelRecipe, acquire: Callable[[], Any], options: BackendOptions | None = None):
-        if mode not in MODES:
-            raise InvalidArgument(f"startup mode {mode!r}: expected one of {MODES}")
-        self.mode = mode
+    def __init__(self, mode: Mode | str, recipe: ModelRecipe, resolve: Callable[[], Resolution],
+                 options: OffloadOptions | None = None):
+        self.mode = parse_mode(mode)
         self.recipe = recipe
-        self.acquire = acquire
-        self.options = options or BackendOptions()
+        self.resolve = resolve
+        self.options = options or OffloadOptions()
         self.trail: list[Step] = []
         self.stage: Stage | None = None
         self._ran = False
@@ -172,38 +176,49 @@ class StartupTransaction:
             The model in service, its backend, the outcome and the trail.
 
         Raises:
-            FailedPrecondition: required mode without a usable artifact, or a
+            FailedPrecondition: a required start without a usable artifact
+                (resolve's message says how to populate the store), or a
                 failure before service in required mode.
             RegistrationAborted: stuck registration (both modes).
-            HwrError: a non-miss lookup failure (both modes).
+            HwrError: any other FAILED resolution (both modes), raised as
+                resolve reported it.
         """
         if self._ran:
             raise FailedPrecondition("startup transaction: run() called twice; build a new transaction")
         self._ran = True
-        self._enter(Stage.UNRESOLVED, self.mode)
-        if self.mode == "disabled":
+        self._enter(Stage.UNRESOLVED, self.mode.value)
+        if self.mode is Mode.DISABLED:
             return self._canonical(self.recipe.build_skeleton(), CanonicalOptions(False, False, True), Outcome.DISABLED)
-        lease = self._lookup()
-        if lease is None:
-            if self.mode == "required":
-                self._record("FAILED", "miss in required mode")
-                raise FailedPrecondition("startup (required): no published artifact for this identity; "
-                                         "populate the store with a preferred-mode start or `hwr prewarm`")
-            return self._canonical(self.recipe.build_skeleton(), CanonicalOptions(), Outcome.CANONICAL_FALLBACK)
-        return self._warm(lease)
+        res = self._lookup()
+        if res.outcome is Outcome.LOCAL_HIT:
+            return self._warm(res.lease)
+        return self._canonical(self.recipe.build_skeleton(), CanonicalOptions(), Outcome.CANONICAL_FALLBACK)
 
-    def _lookup(self) -> Any:
+    def _lookup(self) -> Resolution:
+        """The Resolution of a LOCAL_HIT or CANONICAL_FALLBACK; raises on
+        FAILED (never silently a miss)."""
         try:
-            lease = self.acquire()
-        except NotFound as exc:
-            self._record("MISS", str(exc))
-            return None
+            res = self.resolve()
         except Exception as exc:
             self._record("FAILED", f"lookup: {exc}")
             raise
-        if lease is None:
-            self._record("MISS")
-        return lease
+        if res.mode is not self.mode:
+            self._record("FAILED", f"resolved in mode {res.mode.value}")
+            raise InvalidArgument(f"startup ({self.mode.value}): the resolution was made in mode {res.mode.value!r}; "
+                                  f"resolve with the transaction's mode")
+        if res.outcome is Outcome.FAILED:
+            self._record("FAILED", res.reason)
+            error = res.error or FailedPrecondition(
+                f"startup ({self.mode.value}): HWR resolve of {res.key[:12] or '-'} FAILED: {res.reason}")
+            if isinstance(error, NotFound):
+                # resolve answers the lookup (the artifact is not there); a
+                # start answers its own precondition: a required start needs
+                # a populated store. The message says how to populate it.
+                raise FailedPrecondition(str(error)) from error
+            raise error
+        if res.outcome is Outcome.CANONICAL_FALLBACK:
+            self._record("MISS", res.reason)
+        return res
 
     def _warm(self, lease: Any) -> StartupResult:
         self._enter(Stage.LEASE_OWNED_BY_LOADER)
@@ -220,7 +235,7 @@ class StartupTransaction:
         except Exception as exc:
             lease.close()
             self._record("close_lease", "loader (plan failed)")
-            if self.mode == "required":
+            if self.mode is Mode.REQUIRED:
                 self._record("FAILED", str(exc))
                 raise
             # The skeleton is untouched: the plan changes nothing.
@@ -241,15 +256,15 @@ class StartupTransaction:
             backend.start()
             self._enter(Stage.BACKEND_READY)
         except RegistrationAborted as exc:
-            plan = None
+            del plan  # the plan holds views into the lease: drop them with the model
             self._record("FAILED", f"registration stuck, lease kept open: {exc}")
             self._note_backend(backend)
             discard_model(skeleton)
             raise
         except Exception as exc:
-            plan = None
+            del plan  # the plan holds views into the lease: drop them with the model
             self._abort_after_commit(exc, lease, carrier, backend, skeleton)
-            if self.mode == "required":
+            if self.mode is Mode.REQUIRED:
                 self._record("FAILED", str(exc))
                 raise
             fresh = self.recipe.build_skeleton()
@@ -259,10 +274,7 @@ class StartupTransaction:
         return StartupResult(Outcome.LOCAL_HIT, skeleton, backend, tuple(self.trail))
 
     def _backend(self, model: nn.Module, blocks: Sequence[nn.Module], source: Any) -> OffloadBackend:
-        o = self.options
-        return OffloadBackend(model, blocks, device=o.device, source=source, resident_blocks=o.resident_blocks,
-                              pin_memory=o.pin_memory, registration_limit_gib=o.registration_limit_gib,
-                              registrar=o.registrar, chunk_bytes=o.chunk_bytes)
+        return OffloadBackend(model, blocks, self.options, source=source)
 
     def _note_backend(self, backend: OffloadBackend | None) -> None:
         if backend is not None:

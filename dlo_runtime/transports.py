@@ -83,6 +83,8 @@ class RegistrationCall:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
+    """One page-aligned range of one mapped file, registered in one call."""
+
     address: int
     nbytes: int
     path: str
@@ -99,10 +101,12 @@ class TransportChoice:
 
     @property
     def registered_bytes(self) -> int:
+        """Bytes registered now (0 unless the transport is registered)."""
         return self.ranges.nbytes if self.ranges is not None else 0
 
     @property
     def registration_seconds(self) -> float:
+        """Seconds spent in cudaHostRegister calls."""
         return sum(c.seconds for c in self.calls if c.op == "register")
 
 
@@ -154,14 +158,17 @@ class RegisteredRanges:
 
     @property
     def active(self) -> bool:
+        """Whether any chunk is still registered."""
         return bool(self._chunks)
 
     @property
     def nbytes(self) -> int:
+        """Bytes still registered."""
         return sum(c.nbytes for c in self._chunks)
 
     @property
     def chunks(self) -> tuple[Chunk, ...]:
+        """The chunks still registered, in registration order."""
         return tuple(self._chunks)
 
     def unregister(self) -> None:

@@ -41,6 +41,8 @@ import torch
 from torch import nn
 
 from dlo_runtime.contracts import Contract, check_no_meta, get_contract, private_bytes
+from hwr_client.core.errors import InvalidArgument
+from hwr_client.resolve import Mode, Outcome, parse_mode
 
 # ``startup_s`` excludes imports on every path (the process imports torch
 # and this module before its clock starts). These are the modules a start
@@ -58,8 +60,6 @@ import hwr_client.session  # noqa: E402,F401
 
 log = logging.getLogger(__name__)
 
-MODES = ("disabled", "preferred", "required")
-
 
 @dataclasses.dataclass(frozen=True)
 class WorkerOptions:
@@ -68,7 +68,7 @@ class WorkerOptions:
     Attributes:
         contract: registered contract name (``tiny-dit``).
         checkpoint: canonical checkpoint directory.
-        mode: ``disabled`` | ``preferred`` | ``required``.
+        mode: ``disabled`` | ``preferred`` | ``required`` (or a Mode).
         socket: daemon runtime socket (None: the client's default).
         layout: parallel layout text (``tp_rank=0,tp_size=1``).
         device: DLO compute device (``cpu`` here; ``cuda`` on a GPU node).
@@ -80,7 +80,7 @@ class WorkerOptions:
 
     contract: str
     checkpoint: str
-    mode: str = "preferred"
+    mode: Mode | str = "preferred"
     socket: str | None = None
     layout: str | None = None
     device: str = "cpu"
@@ -93,7 +93,7 @@ class WorkerOptions:
 class StartupReport:
     """What a start did and cost. Bytes are exact counts, seconds wall time."""
 
-    outcome: str  # DISABLED | LOCAL_HIT | CANONICAL_FALLBACK
+    outcome: str  # an Outcome's value: DISABLED | LOCAL_HIT | CANONICAL_FALLBACK
     key: str = ""
     startup_s: float = 0.0  # resolve → in service (imports excluded)
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -109,6 +109,7 @@ class StartupReport:
     publish: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready values."""
         return dataclasses.asdict(self)
 
 
@@ -182,7 +183,7 @@ class Worker:
 def _as_dict(report: Any) -> dict[str, Any]:
     if report is None:
         return {}
-    if dataclasses.is_dataclass(report):
+    if dataclasses.is_dataclass(report) and not isinstance(report, type):
         return {k: v for k, v in dataclasses.asdict(report).items() if isinstance(v, (str, int, float, bool, type(None)))}
     if isinstance(report, dict):
         return dict(report)
@@ -231,9 +232,7 @@ def _recipe(opts: WorkerOptions, contract: Contract, phases: _Phases, pending: l
 
 def _start_resident(opts: WorkerOptions, contract: Contract, phases: _Phases) -> Worker:
     """The ordinary worker: canonical load, model resident, no HWR, no DLO."""
-    if opts.mode != "disabled":
-        from hwr_client.core.errors import InvalidArgument
-
+    if parse_mode(opts.mode) is not Mode.DISABLED:
         raise InvalidArgument(f"worker without offload: only mode 'disabled' is supported, got {opts.mode!r}")
     model = contract.build_skeleton(opts.checkpoint)
     phases.mark("skeleton")
@@ -241,7 +240,7 @@ def _start_resident(opts: WorkerOptions, contract: Contract, phases: _Phases) ->
     contract.finalize(model)
     check_no_meta(model)
     phases.mark("canonical_load")
-    return Worker(opts, contract, model, StartupReport("DISABLED"))
+    return Worker(opts, contract, model, StartupReport(Outcome.DISABLED.value))
 
 
 def start_worker(opts: WorkerOptions) -> Worker:
@@ -258,10 +257,7 @@ def start_worker(opts: WorkerOptions) -> Worker:
         HwrError: FAILED outcomes (a required miss says how to populate
             the store: ``hwr prewarm``).
     """
-    if opts.mode not in MODES:
-        from hwr_client.core.errors import InvalidArgument
-
-        raise InvalidArgument(f"worker mode {opts.mode!r}: expected one of {MODES}")
+    parse_mode(opts.mode)  # an unknown mode fails before anything loads
     contract = get_contract(opts.contract)
     counters0 = dataclasses.replace(contract.counters)
     phases = _Phases()
@@ -272,7 +268,7 @@ def start_worker(opts: WorkerOptions) -> Worker:
     report.bytes_materialized = contract.counters.bytes_materialized - counters0.bytes_materialized
     # In service: what follows is reporting, not part of the start.
     report.startup_s = round(phases.total(), 6)
-    if report.outcome == "LOCAL_HIT":
+    if report.outcome == Outcome.LOCAL_HIT.value:
         # Independent proof: every CPU tensor of the model lies in the
         # lease's mapping (device buffers are not model tensors between uses).
         report.bytes_materialized += private_bytes(worker.model, worker.handle.lease.regions())
@@ -289,11 +285,13 @@ def start_worker(opts: WorkerOptions) -> Worker:
 def _start_offloaded(opts: WorkerOptions, contract: Contract, phases: _Phases) -> Worker:
     """Runs the startup transaction (resolve → restore → carrier → backend,
     or canonical load → backend) and wraps its result."""
-    from dlo_runtime.transaction import BackendOptions, StartupTransaction
+    from dlo_runtime.options import OffloadOptions
+    from dlo_runtime.transaction import StartupTransaction
 
+    mode = parse_mode(opts.mode)
     client = identity = None
     pending: list[bool] = []
-    if opts.mode != "disabled":
+    if mode is not Mode.DISABLED:
         # Disabled never gets here with a client: zero HWR interaction.
         import hwr_client
 
@@ -302,9 +300,9 @@ def _start_offloaded(opts: WorkerOptions, contract: Contract, phases: _Phases) -
         if client is not None:
             identity = contract.identity(opts.checkpoint, opts.layout, client=client)
             phases.mark("identity")
-        backend = BackendOptions(device=opts.device, registration_limit_gib=opts.registration_limit_gib)
-        tx = StartupTransaction(opts.mode, _recipe(opts, contract, phases, pending, client is not None),
-                                lambda: _acquire(client, identity, opts, phases), backend)
+        backend = OffloadOptions(device=opts.device, registration_limit_gib=opts.registration_limit_gib)
+        tx = StartupTransaction(mode, _recipe(opts, contract, phases, pending, client is not None),
+                                lambda: _resolve(client, identity, mode, opts.verify, phases), backend)
         result = tx.run()
     except BaseException:
         if client is not None:
@@ -321,23 +319,12 @@ def _start_offloaded(opts: WorkerOptions, contract: Contract, phases: _Phases) -
     return worker
 
 
-def _acquire(client: Any, identity: Any, opts: WorkerOptions, phases: _Phases) -> Any:
-    """The transaction's lookup: a lease on LOCAL_HIT, None on a miss that
-    may fall back; raises on FAILED (never silently a miss)."""
-    from hwr_client.core.errors import FailedPrecondition, NotFound
-
-    if client is None:
-        return None
-    res = client.resolve(identity, mode=opts.mode, verify=opts.verify)
+def _resolve(client: Any, identity: Any, mode: Mode, verify: str, phases: _Phases) -> Any:
+    """The transaction's lookup: the client's Resolution, as resolve made
+    it (the transaction decides nothing about a miss a second time)."""
+    res = client.resolve(identity, mode=mode, verify=verify)
     phases.mark("resolve")
-    if str(res.outcome) == "LOCAL_HIT":
-        return res.lease
-    if str(res.outcome) == "CANONICAL_FALLBACK":
-        return None
-    error = res.error or FailedPrecondition(f"HWR resolve of {identity.key[:12]} FAILED: {res.reason}")
-    # A NotFound would read as a plain miss to the transaction; a required
-    # miss is a failure, with resolve's message (it says how to populate).
-    raise FailedPrecondition(str(error)) if isinstance(error, NotFound) else error
+    return res
 
 
 # -- process entry point ----------------------------------------------------------
@@ -346,7 +333,7 @@ def _acquire(client: Any, identity: Any, opts: WorkerOptions, phases: _Phases) -
 def output_digest(tensor: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes (bitwise output parity across processes)."""
     raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(memoryview(raw)).hexdigest()
+    return hashlib.sha256(raw.data).hexdigest()
 
 
 def pss_kib(pid: int | str = "self") -> int:
@@ -415,10 +402,11 @@ def _progress_printer(what: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m dlo_runtime.worker``: start one worker, print one JSON line."""
     parser = argparse.ArgumentParser(prog="python -m dlo_runtime.worker", description=__doc__.split("\n")[0])
     parser.add_argument("--contract", default="tiny-dit")
     parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--mode", choices=MODES, default="preferred")
+    parser.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.PREFERRED.value)
     parser.add_argument("--socket")
     parser.add_argument("--layout")
     parser.add_argument("--device", default="cpu")

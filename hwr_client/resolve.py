@@ -43,10 +43,18 @@ class Mode(str, enum.Enum):
 
 
 class Outcome(str, enum.Enum):
-    """Startup outcome; compares equal to its name (``"LOCAL_HIT"``)."""
+    """Startup outcome; compares equal to its name (``"LOCAL_HIT"``).
+
+    :func:`resolve` answers LOCAL_HIT, CANONICAL_FALLBACK or FAILED (a
+    disabled mode resolves to CANONICAL_FALLBACK: the caller loads
+    canonically either way). DISABLED is what a worker start reports when
+    it never touched HWR (:class:`dlo_runtime.StartupTransaction`), so a
+    report tells "HWR off" apart from "HWR missed".
+    """
 
     LOCAL_HIT = "LOCAL_HIT"
     CANONICAL_FALLBACK = "CANONICAL_FALLBACK"
+    DISABLED = "DISABLED"
     FAILED = "FAILED"
 
     def __str__(self) -> str:
@@ -82,6 +90,7 @@ class Resolution:
 
     @property
     def hit(self) -> bool:
+        """True on LOCAL_HIT (``lease`` is then open)."""
         return self.outcome is Outcome.LOCAL_HIT
 
 

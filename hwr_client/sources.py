@@ -197,6 +197,7 @@ def build_identity(
     producer: Mapping[str, Any],
     extra: Mapping[str, Any] | None = None,
     client: RuntimeChannel | None = None,
+    local: bool = False,
 ) -> Identity:
     """Builds the identity of an artifact produced from a real checkpoint.
 
@@ -214,6 +215,8 @@ def build_identity(
         extra: any other byte-relevant canonical JSON; default ``{}``.
         client: a :class:`hwr_client.Client`; None connects to the default
             socket for this call (and hashes locally if no daemon answers).
+        local: hash every file in this process and connect to nothing
+            (``client`` must be None); the key is the same.
 
     Returns:
         The validated :class:`Identity`; its key is ``identity.key``.
@@ -229,10 +232,12 @@ def build_identity(
         ...     layout={"tp_rank": 0, "tp_size": 1, "sp_size": 1, "sp_backend": "none"},
         ...     representation={"dtype": "bfloat16"}, producer={"id": "demo", "version": "1"})
     """
+    if local and client is not None:
+        raise InvalidArgument("build_identity: local=True hashes in this process; expected client=None")
     pairs = canonical_sources(sources)
     paths = [p for _, p in pairs]
-    if client is not None:
-        digests = resolve_sources(client, paths)
+    if client is not None or local:
+        digests = resolve_sources(client, paths)  # None (local=True): hashed here
     else:
         # Only ResolveSources is called: the runtime channel is all of a
         # client this needs (no session, no admin channel).

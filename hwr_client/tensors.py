@@ -7,15 +7,16 @@ the wire conversion) is :mod:`hwr_client.core.plan`, which the daemon uses.
 
 from __future__ import annotations
 
-import mmap
+import io
+import mmap as _mmap
 import os
 from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_client.core.identity import Identity
-from hwr_client.core.layout import DTYPE_SIZES, FileLayout, TensorSpec, parse_header
+from hwr_client.core.layout import DTYPE_SIZES, FileLayout, HeaderEntry, TensorSpec, parse_header
 from hwr_client.core.plan import FILE_TARGET_BYTES, BlockSpec, FileSpec, PlanSpec, derive_blocks
 
 #: safetensors dtype string -> torch dtype (sizes: core.layout.DTYPE_SIZES).
@@ -164,33 +165,104 @@ def iter_payload(
         yield pos, zeros[: layout.data_size - pos]
 
 
-def read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """Maps a safetensors file read-only and returns zero-copy tensors.
+class SafetensorsFile:
+    """One safetensors file: the header parsed strictly, the tensors handed
+    out one at a time, either as views of a mapping or read into buffers of
+    their own. The one safetensors reader of the client and the runtime.
 
-    The header is parsed strictly first (:func:`hwr_client.core.layout.parse_header`),
+    The header is parsed first (:func:`hwr_client.core.layout.parse_header`),
     so a truncated file, a garbage header or a header length over the limit
     is a clear error naming the file, before anything is allocated.
 
+    Args:
+        path: the file.
+        mmap: True maps the file and hands out zero-copy views; False reads
+            each tensor with ``readinto`` into a buffer of its own and never
+            maps the file.
+        writable: with ``mmap``, map copy-on-write (a write to a view stays
+            in this process); False maps read-only, so a write faults
+            instead of reaching the pages other processes share.
+
     Raises:
         InvalidArgument: naming ``path`` and the problem.
+
+    Example:
+        >>> with SafetensorsFile("model.safetensors", mmap=False) as f:   # doctest: +SKIP
+        ...     weights = {e.name: f.tensor(e) for e in f.entries}
     """
-    try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise InvalidArgument(f"{path}: cannot open ({exc.strerror})") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        header = parse_header(f, size, what=path)
-        if size == 0 or size == header.data_start:
-            mm = None
-        else:
-            mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    out: dict[str, torch.Tensor] = {}
-    for e in header.tensors():
+
+    def __init__(self, path: str, *, mmap: bool = True, writable: bool = False):
+        self.path = path
+        try:
+            f = open(path, "rb")
+        except OSError as exc:
+            raise InvalidArgument(f"{path}: cannot open ({exc.strerror})") from None
+        try:
+            size = os.fstat(f.fileno()).st_size
+            header = parse_header(f, size, what=path)
+            self._mm: _mmap.mmap | None = None
+            if mmap and size > header.data_start:
+                access = _mmap.ACCESS_COPY if writable else _mmap.ACCESS_READ
+                self._mm = _mmap.mmap(f.fileno(), 0, access=access)
+        except BaseException:
+            f.close()
+            raise
+        self._data_start = header.data_start
+        self._closed = False
+        #: Tensor entries in file order (HWR padding left out).
+        self.entries: list[HeaderEntry] = header.tensors()
+        # The mapping holds its own reference to the file: only readinto
+        # needs the file object open.
+        self._file: io.BufferedReader | None = None if mmap else f
+        if mmap:
+            f.close()
+        self.mmap = mmap
+
+    def tensor(self, e: HeaderEntry) -> torch.Tensor:
+        """The tensor of entry ``e`` (a view of the mapping, or a fresh
+        buffer).
+
+        Raises:
+            FailedPrecondition: a short read (the file changed underneath).
+        """
         dtype = TORCH_DTYPES[e.dtype]
-        if e.end == e.begin or mm is None:
-            out[e.name] = torch.empty(e.shape, dtype=dtype)
-            continue
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=e.end - e.begin, offset=header.data_start + e.begin)
-        out[e.name] = raw.view(dtype).reshape(e.shape)
-    return out
+        if e.end == e.begin:
+            return torch.empty(e.shape, dtype=dtype)
+        if self._closed:
+            raise FailedPrecondition(f"{self.path}: read of tensor {e.name!r} after close; expected an open file")
+        if self.mmap:
+            assert self._mm is not None  # mapped whenever a tensor has bytes
+            raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=e.end - e.begin, offset=self._data_start + e.begin)
+            return raw.view(dtype).reshape(e.shape)
+        assert self._file is not None
+        buf = torch.empty(e.end - e.begin, dtype=torch.uint8)
+        self._file.seek(self._data_start + e.begin)
+        got = self._file.readinto(buf.numpy().data)
+        if got != e.end - e.begin:
+            raise FailedPrecondition(f"{self.path}: short read of tensor {e.name!r}, {got} of {e.end - e.begin} "
+                                     "bytes; expected an unchanged file")
+        return buf.view(dtype).view(e.shape)
+
+    def close(self) -> None:
+        """Closes the file. Views already handed out keep the mapping alive
+        (each holds a reference to it); the mapping goes with the last one."""
+        f, self._file, self._mm, self._closed = self._file, None, None, True
+        if f is not None:
+            f.close()
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Maps a safetensors file read-only and returns zero-copy tensors.
+
+    Raises:
+        InvalidArgument: naming ``path`` and the problem (see
+            :class:`SafetensorsFile`).
+    """
+    with SafetensorsFile(path) as f:
+        return {e.name: f.tensor(e) for e in f.entries}

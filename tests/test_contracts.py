@@ -123,6 +123,16 @@ def test_generic_contract_loads_any_safetensors_model(tmp_path):
         GenericContract().build_skeleton(str(tmp_path))
 
 
+def test_identity_without_a_client_connects_nowhere(ckpt, monkeypatch):
+    # contracts build the document through hwr_client.sources.build_identity;
+    # without a client it must hash here, never dial the default socket.
+    import hwr_client.client
+
+    monkeypatch.setattr(hwr_client.client, "connect", lambda *a, **k: pytest.fail("connected"))
+    ident = get_contract("tiny-dit").identity(ckpt)
+    assert ident.document["producer"] == {"id": "dlo_runtime.contracts/tiny-dit", "version": "1"}
+
+
 def test_identity_is_the_same_through_the_daemon_source_cache(ckpt, make_daemon_fixture):
     daemon = make_daemon_fixture("--source-root", os.path.dirname(ckpt))
     contract = get_contract("tiny-dit")

@@ -10,7 +10,7 @@ import torch
 
 from hwr_client.carrier import LeaseCarrier
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
-from dlo_runtime import ORDINARY, STAGING, enable_layerwise_offload, restore
+from dlo_runtime import ORDINARY, STAGING, OffloadOptions, enable_layerwise_offload, restore_model
 from tests.test_dlo_common import TestLease, make_artifact, reference, skeleton
 
 
@@ -18,7 +18,7 @@ def _warm(tmp_path, n_blocks: int):
     ref = reference(n_blocks)
     lease = TestLease(make_artifact(tmp_path, ref))
     skel = skeleton(n_blocks)
-    restore(skel, lease)
+    restore_model(skel, lease)
     return ref, lease, skel
 
 
@@ -125,6 +125,23 @@ def test_bad_arguments_take_nothing(tmp_path):
     carrier.close()
 
 
+def test_one_options_record_with_keyword_overrides(tmp_path):
+    ref, lease, skel = _warm(tmp_path, 3)
+    carrier = LeaseCarrier(lease)
+    with pytest.raises(TypeError, match="resident_block"):  # a misspelt option is not silently dropped
+        enable_layerwise_offload(skel, list(skel.blocks), OffloadOptions(), source=carrier, resident_block=1)
+    assert carrier.owns and lease.closed == 0
+    base = OffloadOptions(device="cpu", resident_blocks=2)
+    handle = enable_layerwise_offload(skel, list(skel.blocks), base, source=carrier, resident_blocks=1)
+    try:
+        assert handle.options == OffloadOptions(device="cpu", resident_blocks=1) and base.resident_blocks == 2
+        assert handle.stats.resident_blocks == 1
+        x = torch.randn(2, 8)
+        assert torch.equal(skel(x), ref(x))
+    finally:
+        handle.close()
+
+
 def test_second_take_and_pickling_raise(tmp_path):
     ref, lease, skel = _warm(tmp_path, 2)
     carrier = LeaseCarrier(lease)
@@ -168,7 +185,7 @@ def test_cpu_copies_run_on_the_copy_thread_and_overlap_nothing_they_must_not(tmp
     import threading
     import time as _time
 
-    from dlo_runtime import backend as B
+    from dlo_runtime import copy_engine as B
 
     ref, lease, skel = _warm(tmp_path, 5)
     x = torch.randn(3, 8)
@@ -202,7 +219,7 @@ def test_cpu_copies_run_on_the_copy_thread_and_overlap_nothing_they_must_not(tmp
 
 
 def test_cpu_copy_error_surfaces_at_the_block_and_teardown_still_closes(tmp_path, monkeypatch):
-    from dlo_runtime import backend as B
+    from dlo_runtime import copy_engine as B
 
     ref, lease, skel = _warm(tmp_path, 4)
     calls = []

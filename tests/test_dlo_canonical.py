@@ -103,3 +103,34 @@ def test_strict_mismatch_and_meta_target_raise():
         meta = ToyModel(1)
     with pytest.raises(FailedPrecondition, match="meta"):
         load_canonical_into(meta, _checkpoint(reference(1)))
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_one_reader_for_both_ways_maps_or_reads_and_never_writes_the_file(tmp_path, mmap):
+    """CheckpointReader reads through hwr_client.tensors.SafetensorsFile:
+    mapped views (copy-on-write) or private buffers, the same tensors."""
+    from dlo_runtime import CheckpointReader
+
+    state = _checkpoint(reference(2))
+    state["empty"] = torch.zeros(0, 4)
+    path = str(tmp_path / "model.safetensors")
+    save_file(state, path)
+    before = open(path, "rb").read()
+    with CheckpointReader(str(tmp_path), mmap=mmap) as reader:
+        assert reader.names() == sorted(state)
+        got = {n: reader.take(n) for n in reader.file_order()}
+        reader.check_consumed("toy")
+    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
+    got["blocks.0.up.weight"].add_(1.0)  # a write to a view stays in this process
+    assert open(path, "rb").read() == before
+    with pytest.raises(FailedPrecondition, match="read twice"):
+        reader.take("empty")
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path):
+    from dlo_runtime import CheckpointReader
+
+    save_file({"a": torch.zeros(2), "b": torch.ones(1)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model-2.safetensors"))
+    with pytest.raises(FailedPrecondition, match="'a' is in both .*model-1.*model-2"):
+        CheckpointReader(str(tmp_path))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlo_runtime import REGISTERED, STAGING, enable_layerwise_offload, restore
+from dlo_runtime import REGISTERED, STAGING, enable_layerwise_offload, restore_model
 from dlo_runtime.cuda_host import CudaRegistrar, NullRegistrar
 from dlo_runtime.transports import register_regions
 from tests.test_dlo_common import TestLease, make_artifact, reference, skeleton
@@ -32,7 +32,7 @@ def _warm(tmp_path, n=4):
     ref = reference(n)
     lease = TestLease(make_artifact(tmp_path, ref))
     skel = skeleton(n)
-    restore(skel, lease)
+    restore_model(skel, lease)
     return ref, lease, skel
 
 
@@ -107,7 +107,7 @@ def test_copy_overlaps_compute_on_streams(tmp_path):
     lease = TestLease(make_artifact(tmp_path, ref))
     with torch.device("meta"):
         skel = _Big(n, width)
-    restore(skel, lease)
+    restore_model(skel, lease)
     handle = enable_layerwise_offload(skel, list(skel.blocks), device="cuda", source=lease)
     x = torch.randn(8192, width, device="cuda")
     with torch.no_grad():

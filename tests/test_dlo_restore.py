@@ -10,7 +10,7 @@ from hwr_client.core.errors import FailedPrecondition
 from hwr_client.local import write_artifact
 from hwr_client.mapping import MappedArtifact
 from hwr_client.tensors import build_plan
-from dlo_runtime import finalize_shared, plan_restore, restore
+from dlo_runtime import finalize_shared, plan_restore, restore_model
 from tests.conftest import identity
 from tests.test_dlo_common import ToyModel, make_artifact, reference, skeleton
 
@@ -24,7 +24,7 @@ def test_restore_binds_views_with_zero_copies(tmp_path):
     model = reference(3)
     art = make_artifact(tmp_path, model)
     skel = skeleton(3)
-    result = restore(skel, art)
+    result = restore_model(skel, art)
     assert result.copies == 0
     assert result.tensors == len(model.state_dict())
     views = art.tensors()
@@ -41,7 +41,7 @@ def test_plan_failure_leaves_skeleton_untouched(tmp_path):
     skel.blocks[1].up = nn.Linear(16, 17, device="meta")  # shape differs from the artifact
     before = {n: (id(p), p.device.type) for n, p in skel.named_parameters()}
     with pytest.raises(FailedPrecondition) as err:
-        restore(skel, art)
+        restore_model(skel, art)
     msg = str(err.value)
     assert "blocks.1.up.weight" in msg and "blocks.1.up.bias" in msg
     assert {n: (id(p), p.device.type) for n, p in skel.named_parameters()} == before
@@ -74,7 +74,7 @@ def test_non_persistent_buffer_left_on_meta_fails_plan(tmp_path):
 def test_finalization_guard_accepts_neutral_work(tmp_path):
     art = make_artifact(tmp_path, reference(2))
     skel = skeleton(2)
-    restore(skel, art)
+    restore_model(skel, art)
     hooks = []
     finalize_shared(skel, lambda m: (m.eval(), hooks.append(m.register_forward_hook(lambda *a: None))))
     assert len(hooks) == 1
@@ -83,7 +83,7 @@ def test_finalization_guard_accepts_neutral_work(tmp_path):
 def test_finalization_guard_detects_pointer_move(tmp_path):
     art = make_artifact(tmp_path, reference(2))
     skel = skeleton(2)
-    restore(skel, art)
+    restore_model(skel, art)
 
     def cast(m):  # byte-identical copy, but no longer backed by the lease
         m.embed.weight = nn.Parameter(m.embed.weight.detach().clone())
@@ -114,7 +114,7 @@ def test_tied_parameters_are_restored_in_every_owner(tmp_path):
     art = MappedArtifact(manifest, paths)
     skel = skeleton(1)
     skel.final_norm.weight = skel.blocks[0].norm.weight
-    restore(skel, art)
+    restore_model(skel, art)
     assert skel.final_norm.weight is skel.blocks[0].norm.weight
     assert not skel.final_norm.weight.is_meta
     x = torch.randn(2, 8)
@@ -122,13 +122,11 @@ def test_tied_parameters_are_restored_in_every_owner(tmp_path):
 
 
 def test_guard_hashes_nothing_inside_the_read_only_mapping(tmp_path, monkeypatch):
-    import importlib
-
-    r = importlib.import_module("dlo_runtime.restore")  # the package exports a function of the same name
+    from dlo_runtime import restore as r  # the submodule: the function is exported as restore_model
 
     art = make_artifact(tmp_path, reference(2))
     skel = skeleton(2)
-    restore(skel, art)
+    restore_model(skel, art)
     calls = []
     real = r._digest
     monkeypatch.setattr(r, "_digest", lambda t: (calls.append(1), real(t))[1])
@@ -142,3 +140,13 @@ def test_guard_hashes_nothing_inside_the_read_only_mapping(tmp_path, monkeypatch
 
     with pytest.raises(FailedPrecondition, match="embed.weight: data pointer moved"):
         finalize_shared(skel, swap, regions=art.regions())
+
+
+def test_the_restore_submodule_and_restore_model_are_both_reachable():
+    import types
+
+    import dlo_runtime
+    from dlo_runtime.restore import restore_model as direct
+
+    assert isinstance(dlo_runtime.restore, types.ModuleType)  # no function shadows the submodule
+    assert dlo_runtime.restore_model is direct is dlo_runtime.restore.restore_model

@@ -19,7 +19,7 @@ import contextlib
 import pytest
 import torch
 
-from dlo_runtime import OffloadBackend, restore
+from dlo_runtime import OffloadBackend, OffloadOptions, restore_model
 from tests.test_dlo_common import FakeRegistrar, TestLease, make_artifact, reference, skeleton
 
 
@@ -72,8 +72,9 @@ def _instrumented(tmp_path, n_blocks, registrar):
     ref = reference(n_blocks)
     lease = TestLease(make_artifact(tmp_path, ref))
     skel = skeleton(n_blocks)
-    restore(skel, lease)
-    b = OffloadBackend(skel, list(skel.blocks), device="cpu", source=lease, registrar=registrar, chunk_bytes=8192)
+    restore_model(skel, lease)
+    b = OffloadBackend(skel, list(skel.blocks), OffloadOptions(device="cpu", registrar=registrar, chunk_bytes=8192),
+                       source=lease)
     cu = b._cu = FakeCuda()
     b._async = True
     load, pre, post = b._load, b._pre, b._post
@@ -86,7 +87,7 @@ def _instrumented(tmp_path, n_blocks, registrar):
 
 def _check(b, cu) -> dict:
     name = {id(e): (kind, s) for kind in ("copy_done", "compute_done", "staging_free")
-            for s, e in enumerate(getattr(b, "_" + kind))}
+            for s, e in enumerate(getattr(b._engine, kind))}
     ev = lambda e: name[id(e)]  # noqa: E731
     used = {0: False, 1: False}  # slot bound for compute at least once
     computed = {0: True, 1: True}  # compute_done recorded since the last bind

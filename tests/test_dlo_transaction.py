@@ -10,8 +10,9 @@ from torch import nn
 
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from dlo_runtime import (
-    BackendOptions, ModelRecipe, Outcome, RegistrationAborted, Stage, StartupTransaction, retained,
+    OffloadOptions, ModelRecipe, Outcome, RegistrationAborted, Stage, StartupTransaction, retained,
 )
+from hwr_client.resolve import Mode, Resolution
 from tests.conftest import identity
 from tests.test_dlo_common import FakeRegistrar, TestLease, ToyModel, make_artifact, reference, skeleton
 
@@ -47,6 +48,21 @@ def recipe(c: Counters, *, finalize=lambda m: m.eval()) -> ModelRecipe:
     return ModelRecipe(build, load, lambda m: list(m.blocks), finalize, publish)
 
 
+def hit(lease, mode="preferred") -> Resolution:
+    """The Resolution of a LOCAL_HIT on ``lease``."""
+    return Resolution(Outcome.LOCAL_HIT, Mode(mode), lease=lease, key="k" * 64)
+
+
+def miss(mode="preferred") -> Resolution:
+    """The Resolution of a preferred-mode miss (a required miss is FAILED)."""
+    return Resolution(Outcome.CANONICAL_FALLBACK, Mode(mode), key="k" * 64, reason="not in the store",
+                      error=NotFound("no artifact"))
+
+
+def failed(mode, error) -> Resolution:
+    return Resolution(Outcome.FAILED, Mode(mode), key="k" * 64, reason=str(error), error=error)
+
+
 def _params_in(model: nn.Module, regions) -> bool:
     return all(any(r.address <= p.data_ptr() < r.address + r.length for r in regions) for p in model.parameters())
 
@@ -58,7 +74,7 @@ def _steps(result_or_tx):
 def test_warm_hit_walks_every_stage_with_zero_materialization(tmp_path):
     lease = TestLease(make_artifact(tmp_path, reference(N)))
     c = Counters()
-    result = StartupTransaction("preferred", recipe(c), lambda: lease).run()
+    result = StartupTransaction("preferred", recipe(c), lambda: hit(lease)).run()
     assert result.outcome is Outcome.LOCAL_HIT
     assert [s for s in _steps(result) if s in WARM_STAGES] == WARM_STAGES
     assert c.canonical == [] and c.published == 0  # zero ordinary materialization, zero producer calls
@@ -73,7 +89,7 @@ def test_warm_hit_walks_every_stage_with_zero_materialization(tmp_path):
 
 def test_preferred_miss_loads_canonically_and_publishes():
     c = Counters()
-    result = StartupTransaction("preferred", recipe(c), lambda: None).run()
+    result = StartupTransaction("preferred", recipe(c), miss).run()
     assert result.outcome is Outcome.CANONICAL_FALLBACK
     assert len(c.canonical) == 1 and c.canonical[0][1].publish and c.published == 1
     assert result.backend.stats.transport == "ordinary"
@@ -83,7 +99,8 @@ def test_preferred_miss_loads_canonically_and_publishes():
 
 def test_required_miss_fails_without_loading():
     c = Counters()
-    tx = StartupTransaction("required", recipe(c), lambda: (_ for _ in ()).throw(NotFound("no artifact")))
+    required_miss = NotFound("HWR required: artifact kkkk is not in the store; populate the store first")
+    tx = StartupTransaction("required", recipe(c), lambda: failed("required", required_miss))
     with pytest.raises(FailedPrecondition, match="required"):
         tx.run()
     assert c.canonical == [] and c.published == 0 and _steps(tx)[-1] == "FAILED"
@@ -91,7 +108,7 @@ def test_required_miss_fails_without_loading():
 
 def test_non_miss_lookup_error_is_failed_in_preferred_mode():
     c = Counters()
-    tx = StartupTransaction("preferred", recipe(c), lambda: (_ for _ in ()).throw(InvalidArgument("bad identity")))
+    tx = StartupTransaction("preferred", recipe(c), lambda: failed("preferred", InvalidArgument("bad identity")))
     with pytest.raises(InvalidArgument):
         tx.run()
     assert c.canonical == []
@@ -113,7 +130,7 @@ def _mismatching_lease(tmp_path) -> TestLease:
 def test_plan_failure_preferred_loads_into_the_untouched_skeleton(tmp_path):
     lease = _mismatching_lease(tmp_path)
     c = Counters()
-    result = StartupTransaction("preferred", recipe(c), lambda: lease).run()
+    result = StartupTransaction("preferred", recipe(c), lambda: hit(lease)).run()
     assert result.outcome is Outcome.CANONICAL_FALLBACK
     assert lease.closed == 1
     assert "COMMIT_STARTED" not in _steps(result)
@@ -126,7 +143,7 @@ def test_plan_failure_preferred_loads_into_the_untouched_skeleton(tmp_path):
 def test_plan_failure_required_fails_and_closes(tmp_path):
     lease = _mismatching_lease(tmp_path)
     c = Counters()
-    tx = StartupTransaction("required", recipe(c), lambda: lease)
+    tx = StartupTransaction("required", recipe(c), lambda: hit(lease, "required"))
     with pytest.raises(FailedPrecondition, match="blocks.1.up"):
         tx.run()
     assert lease.closed == 1 and c.canonical == []
@@ -140,7 +157,7 @@ def test_skeleton_build_failure_after_a_hit_closes_the_loaders_lease(tmp_path, m
     def build():
         raise ValueError("config.json: hidden must be divisible by heads")
 
-    tx = StartupTransaction(mode, ModelRecipe(build, lambda s, o: s, lambda m: list(m.blocks)), lambda: lease)
+    tx = StartupTransaction(mode, ModelRecipe(build, lambda s, o: s, lambda m: list(m.blocks)), lambda: hit(lease, mode))
     with pytest.raises(ValueError, match="divisible"):
         tx.run()
     assert lease.closed == 1
@@ -150,7 +167,7 @@ def test_skeleton_build_failure_after_a_hit_closes_the_loaders_lease(tmp_path, m
 def _failing_backend_tx(tmp_path, mode):
     lease = TestLease(make_artifact(tmp_path, reference(N)), fail_block_bytes=True)
     c = Counters()
-    return lease, c, StartupTransaction(mode, recipe(c), lambda: lease)
+    return lease, c, StartupTransaction(mode, recipe(c), lambda: hit(lease, mode))
 
 
 def test_backend_setup_failure_preferred_drains_closes_and_retries_fresh(tmp_path):
@@ -190,7 +207,7 @@ def test_finalization_violation_after_commit_closes_through_the_loader(tmp_path)
     def bad_finalize(m):  # byte-identical but private: breaks pointer neutrality
         m.embed.weight = nn.Parameter(m.embed.weight.detach().clone())
 
-    result = StartupTransaction("preferred", recipe(c, finalize=bad_finalize), lambda: lease).run()
+    result = StartupTransaction("preferred", recipe(c, finalize=bad_finalize), lambda: hit(lease)).run()
     steps = _steps(result)
     assert result.outcome is Outcome.CANONICAL_FALLBACK and lease.closed == 1
     assert "CARRIER_OWNED" not in steps
@@ -204,9 +221,9 @@ def test_stuck_registration_aborts_both_modes_keeping_the_lease(tmp_path):
         lease = TestLease(make_artifact(tmp_path / mode, reference(N)))
         c = Counters()
         reg = FakeRegistrar(fail_at=1, unregister_failures=-1)
-        opts = BackendOptions(registrar=reg, chunk_bytes=4096)
+        opts = OffloadOptions(registrar=reg, chunk_bytes=4096)
         with pytest.raises(RegistrationAborted):
-            StartupTransaction(mode, recipe(c), lambda: lease, opts).run()
+            StartupTransaction(mode, recipe(c), lambda: hit(lease, mode), opts).run()
         assert lease.closed == 0 and c.canonical == []
         stuck = [b for b in retained() if b.lease is lease]
         assert len(stuck) == 1
@@ -217,8 +234,8 @@ def test_stuck_registration_aborts_both_modes_keeping_the_lease(tmp_path):
 
 def test_run_twice_and_bad_mode_raise():
     with pytest.raises(InvalidArgument):
-        StartupTransaction("sometimes", recipe(Counters()), lambda: None)
-    tx = StartupTransaction("disabled", recipe(Counters()), lambda: None)
+        StartupTransaction("sometimes", recipe(Counters()), miss)
+    tx = StartupTransaction("disabled", recipe(Counters()), miss)
     tx.run().backend.close()
     with pytest.raises(FailedPrecondition):
         tx.run()
@@ -230,10 +247,11 @@ def test_warm_hit_on_a_real_daemon_lease(daemon):
     ref = reference(N)
     with daemon.client() as client:
         report = client.publish(identity(test="dlo-real-lease"), {k: v.clone() for k, v in ref.state_dict().items()})
-        lease = client.acquire(report.key)
+        res = client.resolve(identity(test="dlo-real-lease"), mode="required")
+        lease = res.lease
         c = Counters()
-        result = StartupTransaction("required", recipe(c), lambda: lease,
-                                    BackendOptions(registrar=FakeRegistrar())).run()
+        result = StartupTransaction("required", recipe(c), lambda: res,
+                                    OffloadOptions(registrar=FakeRegistrar())).run()
         assert result.outcome is Outcome.LOCAL_HIT and c.canonical == [] and c.published == 0
         assert result.backend.stats.transport == "registered"
         assert _params_in(result.model, lease.regions())
@@ -246,3 +264,13 @@ def test_warm_hit_on_a_real_daemon_lease(daemon):
 def test_toy_model_skeleton_is_meta():
     assert all(p.is_meta for p in skeleton(2).parameters())
     assert isinstance(skeleton(1), ToyModel)
+
+
+def test_a_resolution_made_in_another_mode_is_refused():
+    # The mode rule runs once, in resolve: a preferred-mode fallback handed
+    # to a required start would turn a required miss into a canonical load.
+    c = Counters()
+    tx = StartupTransaction("required", recipe(c), miss)
+    with pytest.raises(InvalidArgument, match="mode 'preferred'"):
+        tx.run()
+    assert c.canonical == [] and c.skeletons == [] and _steps(tx)[-1] == "FAILED"

@@ -9,7 +9,7 @@ import torch
 
 from hwr_client.mapping import PAGE_SIZE, Region
 from dlo_runtime import (
-    REGISTERED, STAGING, UNIFIED, RegistrationAborted, UnregisterFailed, enable_layerwise_offload, restore, retained,
+    REGISTERED, STAGING, UNIFIED, RegistrationAborted, UnregisterFailed, enable_layerwise_offload, restore_model, retained,
 )
 from dlo_runtime.cuda_host import HOST_REGISTER_READ_ONLY, NullRegistrar
 from dlo_runtime.transports import plan_chunks
@@ -22,7 +22,7 @@ def _warm(tmp_path, n_blocks: int = 3, **lease_kw):
     ref = reference(n_blocks)
     lease = TestLease(make_artifact(tmp_path, ref), **lease_kw)
     skel = skeleton(n_blocks)
-    restore(skel, lease)
+    restore_model(skel, lease)
     return ref, lease, skel
 
 

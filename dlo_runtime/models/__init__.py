@@ -1,5 +1,6 @@
-"""Reference models for HWR. ``tiny_dit`` is the template DiT whose
-final-layout contract lives in :mod:`dlo_runtime.contracts`."""
+"""Reference models for HWR. ``tiny_dit`` is the template DiT; its
+final-layout contract lives beside it, in
+:mod:`dlo_runtime.models.tiny_dit_contract`."""
 
 from dlo_runtime.models.tiny_dit import TinyDiT, TinyDiTConfig, write_checkpoint
 

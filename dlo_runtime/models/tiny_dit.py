@@ -1,7 +1,8 @@
 """A small, deterministic diffusion transformer (DiT): the reference model.
 
 It has the parts that make real DiT checkpoints awkward to load, so that the
-final-layout contract in :mod:`dlo_runtime.contracts` has real work to do:
+final-layout contract (:mod:`dlo_runtime.models.tiny_dit_contract`) has
+real work to do:
 
 - **Packed attention projections.** The runtime module has one
   ``attn.qkv`` linear; the canonical checkpoint stores ``attn.to_q``,
@@ -72,13 +73,16 @@ class TinyDiTConfig:
 
     @property
     def tokens(self) -> int:
+        """Tokens per image: patches along each side, squared."""
         return (self.image // self.patch) ** 2
 
     @property
     def patch_dim(self) -> int:
+        """Elements of one flattened patch (channels × patch × patch)."""
         return self.in_channels * self.patch * self.patch
 
     def to_json(self) -> str:
+        """The ``config.json`` text of this config (sorted keys)."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True, indent=1) + "\n"
 
     @classmethod
@@ -93,6 +97,12 @@ class TinyDiTConfig:
 
     @classmethod
     def load(cls, checkpoint_dir: str) -> "TinyDiTConfig":
+        """The config in ``checkpoint_dir/config.json``.
+
+        Raises:
+            ValueError: unknown keys (see :meth:`from_dict`).
+            OSError: no readable ``config.json``.
+        """
         with open(os.path.join(checkpoint_dir, CONFIG_FILE)) as f:
             return cls.from_dict(json.load(f))
 
@@ -172,12 +182,16 @@ def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torc
 
 
 class RMSNormWeight(nn.Module):
+    """The fp32 weight of an RMSNorm over one head (applied in :class:`Attention`)."""
+
     def __init__(self, dim: int, device: torch.device | str):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32, device=device))
 
 
 class Attention(nn.Module):
+    """Self-attention with one packed ``qkv`` projection and q/k RMSNorm."""
+
     def __init__(self, cfg: TinyDiTConfig, dev: torch.device | str):
         super().__init__()
         self.heads, self.eps = cfg.heads, cfg.eps
@@ -187,6 +201,7 @@ class Attention(nn.Module):
         self.proj = Linear(cfg.hidden, cfg.hidden, dev)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attends over ``x`` [batch, tokens, hidden]; same shape out."""
         b, t, d = x.shape
         qkv = _linear(x, self.qkv).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         q = _rms_norm(qkv[0], self.q_norm.weight, self.eps)
@@ -196,12 +211,15 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
+    """The block's feed-forward: Linear, tanh-GELU, Linear."""
+
     def __init__(self, cfg: TinyDiTConfig, dev: torch.device | str):
         super().__init__()
         self.fc1 = Linear(cfg.hidden, cfg.hidden * cfg.mlp_ratio, dev)
         self.fc2 = Linear(cfg.hidden * cfg.mlp_ratio, cfg.hidden, dev)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Applies the feed-forward to ``x``; same shape out."""
         return _linear(F.gelu(_linear(x, self.fc1), approximate="tanh"), self.fc2)
 
 
@@ -218,6 +236,7 @@ class DiTBlock(nn.Module):
         self.adaLN_modulation = Linear(cfg.hidden, 6 * cfg.hidden, dev)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """One block on tokens ``x`` conditioned on ``c`` [batch, hidden]."""
         mod = _linear(F.silu(c), self.adaLN_modulation).to(x.dtype)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = mod.chunk(6, dim=-1)
         x = x + gate_a.unsqueeze(1) * self.attn(_modulate(_layer_norm(x, self.norm1, self.eps), shift_a, scale_a))
@@ -225,18 +244,23 @@ class DiTBlock(nn.Module):
 
 
 class TimestepEmbedder(nn.Module):
+    """Sinusoidal timestep features (``freqs``, computed at load), then an MLP."""
+
     def __init__(self, cfg: TinyDiTConfig, dev: torch.device | str):
         super().__init__()
         self.register_buffer("freqs", torch.empty(cfg.freq_dim // 2, device=dev), persistent=True)
         self.mlp = nn.Sequential(Linear(cfg.freq_dim, cfg.hidden, dev), nn.SiLU(), Linear(cfg.hidden, cfg.hidden, dev))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
+        """The conditioning vector [batch, hidden] of timesteps ``t`` [batch]."""
         args = t.float()[:, None] * self.freqs[None]
         emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
         return _linear(F.silu(_linear(emb, self.mlp[0])), self.mlp[2])
 
 
 class FinalLayer(nn.Module):
+    """adaLN-modulated norm and the projection back to patches."""
+
     def __init__(self, cfg: TinyDiTConfig, dev: torch.device | str):
         super().__init__()
         self.eps = cfg.eps
@@ -245,6 +269,7 @@ class FinalLayer(nn.Module):
         self.linear = Linear(cfg.hidden, cfg.patch_dim, dev)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """Tokens ``x`` conditioned on ``c`` -> patches [batch, tokens, patch_dim]."""
         shift, scale = _linear(F.silu(c), self.adaLN_modulation).to(x.dtype).chunk(2, dim=-1)
         return _linear(_modulate(_layer_norm(x, self.norm, self.eps), shift, scale), self.linear)
 
@@ -264,6 +289,7 @@ class TinyDiT(nn.Module):
         self.final_layer = FinalLayer(cfg, dev)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Denoises images ``x`` [batch, C, H, W] at timesteps ``t`` [batch]; fp32 out, same shape."""
         cfg = self.config
         b, c, h, w = x.shape
         p = cfg.patch

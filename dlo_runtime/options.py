@@ -1,0 +1,67 @@
+"""The offload options: one record for every way the DLO backend is started.
+
+:func:`~dlo_runtime.backend.enable_layerwise_offload`,
+:class:`~dlo_runtime.backend.OffloadBackend` and the startup transaction all
+take an :class:`OffloadOptions`, so a new option (a rank layout for
+multi-rank gathers, a registration budget) is one new field here and reaches
+every entry point without another signature to keep in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from dlo_runtime.cuda_host import Registrar
+from dlo_runtime.transports import MAX_CHUNK_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadOptions:
+    """How the layerwise offload backend runs.
+
+    Attributes:
+        device: compute device the streamed blocks are copied to:
+            ``"cuda:N"`` (asynchronous copies on a copy stream), ``"cuda"``
+            (the current CUDA device) or ``"cpu"`` (a copy thread plays the
+            copy stream). Default ``"cpu"``.
+        resident_blocks: number of leading blocks kept on the device and
+            never streamed. Default 0.
+        pin_memory: the pin policy: False disables host registration and
+            pinned staging. Default True.
+        registration_limit_gib: ceiling on host bytes registered with
+            ``cudaHostRegister``, in GiB; 0 means no ceiling (default). A
+            tiny value forces the staging transport on a CUDA node.
+        registrar: the CUDA host-registration seam; None (default) uses the
+            platform's (:func:`~dlo_runtime.cuda_host.default_registrar`).
+            Tests pass fakes.
+        chunk_bytes: largest range, in bytes, one ``cudaHostRegister`` call
+            gets. Default :data:`~dlo_runtime.transports.MAX_CHUNK_BYTES`
+            (64 GiB).
+
+    Example:
+        >>> opts = OffloadOptions(device="cuda:0", registration_limit_gib=32)
+        >>> opts.updated(resident_blocks=2).resident_blocks
+        2
+    """
+
+    device: str | torch.device = "cpu"
+    resident_blocks: int = 0
+    pin_memory: bool = True
+    registration_limit_gib: float = 0.0
+    registrar: Registrar | None = None
+    chunk_bytes: int = MAX_CHUNK_BYTES
+
+    def updated(self, **fields: Any) -> "OffloadOptions":
+        """A copy with ``fields`` replaced.
+
+        Raises:
+            TypeError: a name that is not an option (the message lists them).
+        """
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise TypeError(f"offload options: unknown option(s) {unknown}; expected some of {sorted(names)}")
+        return dataclasses.replace(self, **fields) if fields else self
