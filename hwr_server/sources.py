@@ -20,16 +20,40 @@ The cache is an optimisation only: any database failure (locked, unreadable,
 corrupt, a garbled row or a bad checksum) is logged and the file is hashed,
 so the content id is identical with or without it.
 
-Access: only files whose real path (all symlinks resolved) lies under a
-configured source root are read; anything else is PERMISSION_DENIED and the
-client hashes it itself.
+Access (issue 16, finding 6): the daemon runs as root and must never vouch
+for a file its caller could not read itself. Each path is resolved ONCE
+(:func:`hwr_client.core.digests.open_path`, an ``O_PATH`` descriptor); the
+real path, the type, the caller's access and the read all go through that
+descriptor, so a link flipped meanwhile cannot swap in another file. The
+file is answered for only when all hold:
+
+1. its real path (as the kernel records it for the descriptor) lies under a
+   configured source root;
+2. the caller may search every directory from that source root down to it
+   and read the file itself (:func:`may_access`). While the caller's uid is
+   unknown (:func:`hwr_server.peers.peer_of` before the credentials
+   handshake) the caller is treated as "others": the file must be ``o+r``
+   and every directory from the source root down ``o+x``, and neither may
+   carry a POSIX ACL (it could deny a user the mode bits allow). A known uid
+   gets the kernel's owner/group/other rule (uid 0: everything; groups count
+   only once the handshake supplies them);
+3. walking that real path again from the source root, one component at a
+   time without following links, reaches the same inode (it was not moved).
+
+A cache record, a hub name and a hash are all answered only after these
+checks, so a record made for one caller is never a way around them. Anything
+refused is PERMISSION_DENIED; the client then hashes the file itself, with
+its own rights. Errors about what lies beyond a directory the caller may not
+search (a missing name, a directory) are the same PERMISSION_DENIED, so
+probing through the daemon tells nothing either.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import dataclasses
+import errno
+import functools
 import hashlib
 import json
 import logging
@@ -41,11 +65,13 @@ import threading
 import time
 from typing import Any, Sequence
 
-from hwr_client.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
+from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument, PermissionDenied, Unavailable
 from hwr_client.core.digests import (
-    SourceDigest, content_id_of, hash_fd, normalize_path, open_regular, stat_source,
+    SourceDigest, check_path_text, check_regular, content_id_of, hash_fd, normalize_path, open_path, real_path_of,
+    reopen_for_reading,
 )
 from hwr_server import db
+from hwr_server.peers import ANONYMOUS, Peer
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +165,7 @@ def _is_hub_repo_dir(name: str) -> bool:
     return len(parts) == 3 and parts[0] == "models" and all(parts[1:]) and not name.startswith(".")
 
 
-def hub_blob_digest(path: str) -> tuple[str, int] | None:
+def hub_blob_digest(path: str) -> tuple[str, os.stat_result] | None:
     """The trusted SHA-256 of a Hugging Face hub cache file, or None.
 
     Trusted only when ALL hold (anything else is hashed):
@@ -153,7 +179,8 @@ def hub_blob_digest(path: str) -> tuple[str, int] | None:
         path: absolute, normalized path as requested.
 
     Returns:
-        (64 hex, size) or None.
+        (64 hex, lstat of the blob) or None. The caller answers with it only
+        for the inode it opened and checked itself (these checks are by name).
     """
     parts = path.split("/")
     idx = [i for i in range(len(parts) - 3) if parts[i + 1] == "snapshots" and _is_hub_repo_dir(parts[i])]
@@ -180,11 +207,64 @@ def hub_blob_digest(path: str) -> tuple[str, int] | None:
             return None
     except OSError:
         return None
-    return blob_hex, st.st_size
+    return blob_hex, st
 
 
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+#: Permission bits as the kernel tests them, per class (owner, group, other).
+READ, SEARCH = 4, 1
+
+
+def has_acl(fd: int) -> bool:
+    """True when the inode ``fd`` pins carries a POSIX access ACL, or when
+    that cannot be told (then its mode bits are not the whole story).
+
+    Read through ``/proc/self/fd``: an ``O_PATH`` descriptor takes no
+    ``fgetxattr`` on older kernels; the magic link reaches the same inode.
+    """
+    try:
+        os.getxattr(f"/proc/self/fd/{fd}", "system.posix_acl_access")
+    except OSError as exc:
+        return exc.errno not in (errno.ENODATA, errno.EOPNOTSUPP)
+    return True
+
+
+def may_access(peer: Peer, st: os.stat_result, want: int, *, acl: bool) -> bool:
+    """Whether ``peer`` may ``want`` (:data:`READ` or :data:`SEARCH`) the
+    inode of ``st``, by the kernel's owner/group/other rule, erring on "no".
+
+    - uid 0: yes (it reads and searches everything).
+    - the owner: the owner bits.
+    - a known uid that is not the owner: its groups are not known, so the
+      group AND the other bits must allow it; an ACL makes it "no".
+    - unknown uid (:data:`hwr_server.peers.ANONYMOUS`): the caller may be
+      anyone, owner included, so every class must allow it; an ACL makes it
+      "no". For ordinary modes this is exactly "others may" (``o+r`` /
+      ``o+x``).
+    """
+    uid = peer.uid
+    if uid == 0:
+        return True
+    if uid is not None and uid == st.st_uid:
+        shifts: tuple[int, ...] = (6,)
+    elif acl:
+        return False
+    else:
+        shifts = (3, 0) if uid is not None else (6, 3, 0)
+    return all((st.st_mode >> shift) & want == want for shift in shifts)
+
+
+def _who(peer: Peer) -> str:
+    return "a caller of unknown uid" if peer.uid is None else f"uid {peer.uid}"
+
+
+#: Appended to every refusal: the rule and what happens next.
+_RULE = ("the daemon vouches only for files its caller could read itself (caller's uid unknown: files readable by "
+         "others (o+r) in directories searchable by others (o+x) from the source root down, no ACLs); the client "
+         "hashes the file itself")
 
 
 class SourceCache:
@@ -250,20 +330,29 @@ class SourceCache:
 
     # -- resolving -------------------------------------------------------------
 
-    def resolve(self, paths: Sequence[str]) -> list[SourceDigest]:
-        """Content ids of ``paths``, in order.
+    def resolve(self, paths: Sequence[str], *, peer: Peer = ANONYMOUS) -> list[SourceDigest]:
+        """Content ids of ``paths``, in order, for the caller ``peer``.
 
-        Every path is checked (access, type) before any file is hashed; then
-        hub names and cache records answer what they can; misses are hashed
-        in parallel, each file once across all concurrent callers.
+        Every path is checked (access for ``peer``, type; see the module doc)
+        before any file is hashed; then hub names and cache records answer
+        what they can; misses are hashed in parallel, each file once across
+        all concurrent callers.
+
+        Args:
+            paths: absolute paths.
+            peer: who asks (:func:`hwr_server.peers.peer_of`); the default,
+                unknown, gets only what anyone may read.
 
         Raises:
-            InvalidArgument: a relative path, a directory, FIFO or device.
-            PermissionDenied: outside the source roots, or unreadable.
+            InvalidArgument: a relative path, a NUL byte, a directory, FIFO
+                or device.
+            PermissionDenied: outside the source roots, or not readable by
+                ``peer`` (or by the daemon).
             NotFound: a missing file or a broken link.
-            FailedPrecondition: a file changed while it was hashed.
+            FailedPrecondition: a file changed or moved while it was checked
+                or hashed.
         """
-        checked = [(p, *self._check(p)) for p in paths]
+        checked = [(p, *self._check(p, peer)) for p in paths]
         out: list[SourceDigest | None] = []
         pending: list[tuple[int, str, str, FileState, concurrent.futures.Future]] = []
         for i, (path, norm, state) in enumerate(checked):
@@ -285,33 +374,143 @@ class SourceCache:
             self.misses += len(pending)
         return out  # type: ignore[return-value]
 
-    def _check(self, path: str) -> tuple[str, FileState]:
-        """Access and type checks; returns the normalized path and its
-        current state."""
+    def _root_of(self, real: str) -> str | None:
+        """The outermost source root holding ``real`` (the most directories
+        to check), or None."""
+        inside = [r for r in self.roots if _under(real, r)]
+        return min(inside, key=len) if inside else None
+
+    def _outside(self, path: str, norm: str, real: str) -> PermissionDenied:
+        if any(_under(norm, r) for r in self.roots):
+            return PermissionDenied(
+                f"source {path}: a link under a source root that resolves to {real}, outside every source "
+                f"root {self.roots}; refused"
+            )
+        return PermissionDenied(
+            f"source {path}: outside the daemon's source roots {self.roots}; add one with --source-root "
+            "(the client hashes it itself meanwhile)"
+        )
+
+    def _check(self, path: str, peer: Peer) -> tuple[str, FileState]:
+        """Access and type checks of one path for ``peer`` (module doc, steps
+        1-3), all on ONE resolution of the name; returns the normalized path
+        and the state of the file it named."""
         if not isinstance(path, str) or not os.path.isabs(path):
             raise InvalidArgument(f"source {path!r}: expected an absolute path")
+        check_path_text(path, f"source {path!r}")
         norm = normalize_path(path)
         if not self.roots:
             raise PermissionDenied(
                 f"source {path}: the daemon has no source roots; start it with --source-root DIR "
                 "(or source_roots in its config). The client hashes the file itself."
             )
-        real = os.path.realpath(norm)
-        if not any(_under(real, r) for r in self.roots):
-            if any(_under(norm, r) for r in self.roots):
+        try:
+            pfd = open_path(norm)
+        except HwrError as exc:
+            raise self._unless_hidden(path, norm, exc, peer) from None
+        try:
+            real = real_path_of(pfd, path)
+            root = self._root_of(real)
+            if root is None:
+                raise self._outside(path, norm, real)
+            st = os.fstat(pfd)
+            self._walk(path, real, root, st, peer)
+            check_regular(path, st)
+            # The daemon's own right to read it (a non-root daemon): checked
+            # on the same inode, before the caller's, so its error says which.
+            os.close(reopen_for_reading(pfd, path))
+            if not may_access(peer, st, READ, acl=has_acl(pfd)):
                 raise PermissionDenied(
-                    f"source {path}: a link under a source root that resolves to {real}, outside every source "
-                    f"root {self.roots}; refused"
+                    f"source {path}: {_who(peer)} may not read {real} (mode {stat.S_IMODE(st.st_mode):04o}, owner "
+                    f"uid {st.st_uid}, gid {st.st_gid}); {_RULE}"
                 )
-            raise PermissionDenied(
-                f"source {path}: outside the daemon's source roots {self.roots}; add one with --source-root "
-                "(the client hashes it itself meanwhile)"
-            )
-        return norm, FileState.of(stat_source(norm), real)
+        finally:
+            os.close(pfd)
+        return norm, FileState.of(st, real)
+
+    def _walk(self, path: str, real: str, root: str, st: os.stat_result, peer: Peer) -> None:
+        """Checks that ``peer`` may search every directory from ``root`` down
+        to ``real``'s parent, walking ``real`` one component at a time from
+        ``root`` without following links, and that the walk ends on the
+        inode of ``st`` (nothing was moved meanwhile).
+
+        Each directory is opened ``O_PATH | O_NOFOLLOW`` beneath the one
+        before, so the directory whose mode is checked is the one the walk
+        passes through (no name is looked up twice).
+
+        Raises:
+            PermissionDenied: a directory ``peer`` may not search.
+            FailedPrecondition: the file or a directory moved while checked.
+        """
+        parts = real[len(root):].strip("/").split("/") if real != root else []
+        if not parts:
+            return  # the root itself (a directory: check_regular refuses it)
+        moved = FailedPrecondition(f"source {path}: {real} moved while it was checked; retry")
+        try:
+            dfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            raise moved from None
+        here = root
+        try:
+            for i, name in enumerate(parts):
+                dst = os.fstat(dfd)
+                if not may_access(peer, dst, SEARCH, acl=has_acl(dfd)):
+                    raise PermissionDenied(
+                        f"source {path}: {_who(peer)} may not search directory {here} (mode "
+                        f"{stat.S_IMODE(dst.st_mode):04o}, owner uid {dst.st_uid}, gid {dst.st_gid}); {_RULE}"
+                    )
+                if i == len(parts) - 1:
+                    leaf = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if (leaf.st_dev, leaf.st_ino) != (st.st_dev, st.st_ino):
+                        raise moved
+                    return
+                nfd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                os.close(dfd)
+                dfd, here = nfd, os.path.join(here, name)
+        except OSError:  # a component vanished or became a link: it moved
+            raise moved from None
+        finally:
+            os.close(dfd)
+
+    def _unless_hidden(self, path: str, norm: str, exc: HwrError, peer: Peer) -> HwrError:
+        """``exc`` (the name could not be opened: missing, a broken link,
+        ...) when ``peer`` could have learned that itself; otherwise a
+        PERMISSION_DENIED that tells nothing, so the daemon (root) is no
+        oracle for what lies in directories the caller may not search.
+
+        The deepest ancestor that opens is checked like a file's directories
+        (:meth:`_walk`) and must itself be searchable by ``peer``.
+        """
+        parent = os.path.dirname(norm)
+        while True:
+            try:
+                pfd = open_path(parent)
+                break
+            except HwrError:
+                if parent == "/":
+                    return exc
+                parent = os.path.dirname(parent)
+        try:
+            real = real_path_of(pfd, path)
+            root = self._root_of(real)
+            if root is None:
+                return self._outside(path, norm, real)
+            st = os.fstat(pfd)
+            self._walk(path, real, root, st, peer)
+            if stat.S_ISDIR(st.st_mode) and not may_access(peer, st, SEARCH, acl=has_acl(pfd)):
+                return PermissionDenied(f"source {path}: {_who(peer)} may not search directory {real}; {_RULE}")
+        except HwrError as refused:
+            return refused
+        finally:
+            os.close(pfd)
+        return exc
 
     def _answer_without_hashing(self, path: str, norm: str, state: FileState) -> SourceDigest | None:
+        # Both answers are for the file _check opened and cleared: the hub
+        # blob only when it is that very inode, a record only when its
+        # state (device, inode, size, times, real path) is that file's now.
         hub = hub_blob_digest(norm)
-        if hub is not None and hub[1] == state.size:
+        if hub is not None and (hub[1].st_dev, hub[1].st_ino, hub[1].st_size) == (state.dev, state.ino, state.size):
             return SourceDigest(path, content_id_of(hub[0]), state.size, True, "hub")
         record = self._load(norm)
         if record is not None and record.state == state:
@@ -319,7 +518,12 @@ class SourceCache:
         return None
 
     def _flight(self, path: str, state: FileState) -> concurrent.futures.Future:
-        """The in-flight hash of this file version, started if there is none."""
+        """The in-flight hash of this file version, started if there is none.
+
+        Joining another caller's flight is safe: the flight is keyed by the
+        file version (device, inode, times, real path) that this caller's own
+        check cleared.
+        """
         with self._lock:
             future = self._inflight.get(state)
             if future is None:
@@ -338,7 +542,13 @@ class SourceCache:
             self._inflight.pop(state, None)
 
     def _hash_and_record(self, path: str, expected: FileState) -> tuple[str, str, int]:
-        """Hashes ``path`` (one pool job) and records the result.
+        """Hashes the file ``path`` names (one pool job) and records the result.
+
+        The name is resolved once more (no descriptor is held across the
+        queue: a request of many files must not hold as many descriptors)
+        and the file it reaches must be EXACTLY the version ``_check``
+        cleared (device, inode, size, times, real path), else nothing is
+        read. The read, the size and the after-check all use that descriptor.
 
         Returns:
             (64 hex, path recorded, time_ns when hashing began).
@@ -349,21 +559,30 @@ class SourceCache:
         with self._lock:
             self.hash_calls += 1
         t0 = time.time_ns()
-        fd, st_open = open_regular(path)
+        pfd = open_path(path)
         try:
-            before = FileState.of(st_open, expected.target)
+            before = FileState.of(os.fstat(pfd), real_path_of(pfd, path))
+            if before != expected:
+                raise FailedPrecondition(
+                    f"source {path}: now names another file or version than the one checked (inode "
+                    f"{expected.ino} -> {before.ino}, size {expected.size} -> {before.size}, real path "
+                    f"{expected.target} -> {before.target}); not read. Retry once it is no longer being changed."
+                )
+            fd = reopen_for_reading(pfd, path)
+        finally:
+            os.close(pfd)
+        try:
             hex_digest, nbytes = hash_fd(fd, path)
-            st_fd_after = os.fstat(fd)
+            st_after = os.fstat(fd)
         finally:
             os.close(fd)
-        after = FileState.of(stat_source(path), os.path.realpath(path))
         with self._lock:
             self.hashed_bytes += nbytes
-        if not (before == expected == after and expected.same_file_version(st_fd_after) and nbytes == expected.size):
+        if not (expected.same_file_version(st_after) and nbytes == expected.size):
             raise FailedPrecondition(
-                f"source {path}: changed while it was hashed (size {expected.size} -> {after.size}, mtime_ns "
-                f"{expected.mtime_ns} -> {after.mtime_ns}, inode {expected.ino} -> {after.ino}, {nbytes} bytes "
-                "read); not cached. Retry once the file is no longer being written."
+                f"source {path}: changed while it was hashed (size {expected.size} -> {st_after.st_size}, mtime_ns "
+                f"{expected.mtime_ns} -> {st_after.st_mtime_ns}, {nbytes} bytes read); not cached. Retry once the "
+                "file is no longer being written."
             )
         self._record(path, expected, hex_digest, t0)
         return hex_digest, path, t0
@@ -468,6 +687,7 @@ class SourceCache:
         """
         if not isinstance(path, str) or not os.path.isabs(path):
             raise InvalidArgument(f"source {path!r}: expected an absolute path")
+        check_path_text(path, f"source {path!r}")
         rows = self._query("forget", f"DELETE FROM {TABLE} WHERE path = ? RETURNING path", (normalize_path(path),))
         if rows is None:
             raise Unavailable(f"source cache {db.path_of(self.root)}: cannot be written now; see the daemon log")
