@@ -18,6 +18,7 @@ import json
 import os
 import pwd
 import shutil
+import struct
 import tempfile
 
 import grpc
@@ -145,6 +146,53 @@ def test_nobody_gets_no_digest_of_what_nobody_cannot_read(served, tree):
         assert sha(SECRET_IN_ROOT) not in details and sha(ROOT_ONLY) not in details
     assert "readable by others" in got[tree["in_root"]][1] and "private" in got[tree["in_root"]][1]
     assert "outside" in got[link_out][1]
+
+
+def _deny_nobody_by_acl(path: str) -> bool:
+    """Gives ``path`` (mode 0644) a POSIX ACL with ``user:nobody:---``: the
+    mode bits say others may read, the ACL says nobody may not. False when
+    the file system takes no ACLs."""
+    nobody = pwd.getpwnam("nobody").pw_uid
+    undefined = 0xFFFFFFFF
+    # struct posix_acl_xattr: version 2, then (tag, perm, id) entries in tag
+    # order: USER_OBJ rw-, USER nobody ---, GROUP_OBJ r--, MASK r--, OTHER r--.
+    entries = [(0x01, 6, undefined), (0x02, 0, nobody), (0x04, 4, undefined), (0x10, 4, undefined),
+               (0x20, 4, undefined)]
+    try:
+        os.setxattr(path, "system.posix_acl_access",
+                    struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries))
+    except OSError:
+        return False
+    return True
+
+
+def test_no_oracle_behind_a_directory_nobody_cannot_search(served, tree):
+    """What lies in a 0700 directory (a missing name, a subdirectory, a
+    FIFO) is answered with the same PERMISSION_DENIED as a secret file: the
+    root daemon tells nobody whether a name exists there."""
+    private = os.path.dirname(tree["in_root"])
+    os.mkdir(os.path.join(private, "sub"))
+    os.mkfifo(os.path.join(private, "pipe"))
+    paths = [os.path.join(private, n) for n in ("missing.bin", "sub", "pipe", "sub/deeper/missing.bin")]
+    got = _resolve_as_nobody(served, paths)
+    for p in paths:
+        code, details, readable = got[p]
+        assert (code, readable) == ("PERMISSION_DENIED", False), (p, got[p])
+        assert "may not search directory" in details and "no such file" not in details, details
+    # Where nobody may look, the real reason is given.
+    missing = os.path.join(tree["base"], "pub", "missing.bin")
+    assert _resolve_as_nobody(served, [missing])[missing][0] == "NOT_FOUND"
+
+
+def test_an_acl_that_denies_the_caller_is_respected(served, tree):
+    """Mode 0644 with ``user:nobody:---``: the mode bits alone would vouch;
+    a file carrying an ACL is vouched for only to root or its owner."""
+    path = _write(os.path.join(tree["base"], "pub", "acl.bin"), b"acl-protected", 0o644)
+    if not _deny_nobody_by_acl(path):
+        pytest.skip("the file system under /tmp takes no POSIX ACLs")
+    code, details, readable = _resolve_as_nobody(served, [path])[path]
+    assert (code, readable) == ("PERMISSION_DENIED", False), details
+    assert sha(b"acl-protected") not in details
 
 
 def test_a_cached_record_is_not_answered_to_a_caller_who_cannot_read_it(served, tree):
