@@ -1,6 +1,12 @@
 """Content ids of canonical files: the ONE hashing function the daemon and
 the client share, and the checks that a source path is a regular file.
 
+A source path is resolved once (:func:`open_path`, an ``O_PATH``
+descriptor); its type, real path and the read itself all go through that
+descriptor, so a name re-pointed meanwhile never swaps in another file, and
+a device or FIFO is never opened. Linux only (``O_PATH``, ``/proc/self/fd``),
+like the daemon.
+
 Torch-free (the daemon imports it). A content id is ``sha256:<hex>`` of the
 file bytes, whichever side computed it.
 """
