@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence, Union
 from hwr_client.channel import RuntimeChannel
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.digests import SourceDigest, absolute_path, content_id_of, hash_file
-from hwr_client.core.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from hwr_client.core.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from hwr_client.core.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 #: images, download metadata) is not byte-relevant.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 CANONICAL_SUFFIXES = WEIGHT_SUFFIXES + (".json",)
+
+#: Paths per ResolveSources call, at most (a quarter of the daemon's default
+#: max_resolve_paths, so a daemon configured lower still takes typical calls).
+MAX_PATHS_PER_CALL = 1024
 
 SourcesArg = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Mapping[str, Any]]
 
@@ -66,19 +70,27 @@ def hash_locally(paths: Sequence[str], *, threads: int | None = None) -> list[So
 
 
 def _ask_daemon(client: RuntimeChannel, paths: Sequence[str]) -> list[SourceDigest]:
-    # No deadline: a cold 100 GB checkpoint takes minutes to hash, and the
-    # call is safe to wait on (the daemon hashes each file once for everyone).
-    reply = client.call(client.runtime.ResolveSources, pb.ResolveSourcesRequest(paths=list(paths)), timeout=None)
-    return [SourceDigest(p, s.content_id, s.size, s.cached, s.origin) for p, s in zip(paths, reply.sources)]
+    out: list[SourceDigest] = []
+    # In batches of MAX_PATHS_PER_CALL: the daemon refuses a call of more
+    # than its max_resolve_paths (default 4096) paths.
+    for start in range(0, len(paths), MAX_PATHS_PER_CALL):
+        batch = list(paths[start:start + MAX_PATHS_PER_CALL])
+        # No deadline: a cold 100 GB checkpoint takes minutes to hash, and the
+        # call is safe to wait on (the daemon hashes each file once for everyone).
+        reply = client.call(client.runtime.ResolveSources, pb.ResolveSourcesRequest(paths=batch), timeout=None)
+        out += [SourceDigest(p, s.content_id, s.size, s.cached, s.origin) for p, s in zip(batch, reply.sources)]
+    return out
 
 
 def resolve_sources(client: RuntimeChannel | None, paths: Sequence[str | os.PathLike[str]], *,
                     threads: int | None = None) -> list[SourceDigest]:
     """Content ids of canonical files, from the daemon's cache when it can.
 
-    Paths outside the daemon's source roots (PERMISSION_DENIED) and every
-    path when the daemon is unreachable (UNAVAILABLE) or ``client`` is None
-    are hashed locally: same content id, no cache.
+    Paths the daemon will not vouch for (PERMISSION_DENIED: outside its
+    source roots, or not readable by this caller as the daemon sees it), and
+    every path when the daemon is unreachable (UNAVAILABLE), over its limits
+    (RESOURCE_EXHAUSTED) or ``client`` is None, are hashed locally with this
+    process's own rights: same content id, no cache.
 
     Args:
         client: a :class:`hwr_client.Client` (any
@@ -100,8 +112,8 @@ def resolve_sources(client: RuntimeChannel | None, paths: Sequence[str | os.Path
         return hash_locally(absolute, threads=threads)
     try:
         return _ask_daemon(client, absolute)
-    except Unavailable as exc:
-        log.info("source digests: daemon unavailable (%s); hashing %d file(s) locally", exc, len(absolute))
+    except (Unavailable, ResourceExhausted) as exc:
+        log.info("source digests: daemon cannot answer now (%s); hashing %d file(s) locally", exc, len(absolute))
         return hash_locally(absolute, threads=threads)
     except PermissionDenied as exc:
         if len(absolute) == 1:
@@ -115,7 +127,7 @@ def resolve_sources(client: RuntimeChannel | None, paths: Sequence[str | os.Path
     for i, p in enumerate(absolute):
         try:
             out[i] = _ask_daemon(client, [p])[0]
-        except (PermissionDenied, Unavailable):
+        except (PermissionDenied, Unavailable, ResourceExhausted):
             refused.append(i)
     for i, d in zip(refused, hash_locally([absolute[i] for i in refused], threads=threads)):
         out[i] = d

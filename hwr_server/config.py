@@ -74,6 +74,11 @@ class ServerConfig:
     scrub_bytes_per_s: int = 0
     #: gRPC worker threads. Count.
     grpc_threads: int = 64
+    # -- issue 16, source digests (ResolveSources) --
+    #: Paths in one ResolveSources call; more is RESOURCE_EXHAUSTED before any
+    #: file is looked at. Count. Default 4096: a real checkpoint has at most a
+    #: few hundred files, and the client sends at most 1024 per call.
+    max_resolve_paths: int = 4096
 
     def resolved(self) -> "ServerConfig":
         """A copy with empty paths filled from :func:`default_paths`."""

@@ -14,23 +14,38 @@ from typing import TYPE_CHECKING
 import grpc
 
 from hwr_client.core._proto import hwr_pb2 as pb
-from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.digests import check_path_text
+from hwr_client.core.errors import InvalidArgument, ResourceExhausted
+from hwr_server.peers import peer_of
 
 if TYPE_CHECKING:
     from hwr_server.daemon import Components
 
 
 def resolve(c: Components, request: pb.ResolveSourcesRequest, context: grpc.ServicerContext) -> pb.ResolveSourcesReply:
-    """ResolveSources: one SourceDigest per requested path, in order.
+    """ResolveSources: one SourceDigest per requested path, in order, for
+    the calling peer (what it may read itself; see hwr_server.sources).
+
+    Every path is validated here, before any file is looked at.
 
     Raises:
-        InvalidArgument: no paths, or a relative path.
+        InvalidArgument: no paths; a path with a NUL byte or of PATH_MAX
+            bytes or more (naming its index); a relative path.
+        ResourceExhausted: more than ``max_resolve_paths`` paths.
         PermissionDenied, NotFound, FailedPrecondition: see SourceCache.resolve.
     """
     paths = list(request.paths)
     if not paths:
         raise InvalidArgument("ResolveSources: expected at least one path")
-    digests = c.sources.resolve(paths)
+    limit = c.sources.config.max_resolve_paths
+    if len(paths) > limit:
+        raise ResourceExhausted(
+            f"ResolveSources: {len(paths)} paths in one call; the limit is {limit} (max_resolve_paths in the "
+            "daemon config); send them in smaller batches"
+        )
+    for i, p in enumerate(paths):
+        check_path_text(p, f"ResolveSources: paths[{i}]")
+    digests = c.sources.resolve(paths, peer=peer_of(context))
     return pb.ResolveSourcesReply(
         sources=[
             pb.SourceDigest(path=d.path, content_id=d.content_id, size=d.size, cached=d.cached, origin=d.origin)
@@ -66,4 +81,5 @@ def forget(c: Components, request: pb.ForgetSourceRequest, context: grpc.Service
     """
     if not request.path:
         raise InvalidArgument("ForgetSource: expected a path")
+    check_path_text(request.path, "ForgetSource: path")
     return pb.ForgetSourceReply(forgotten=c.sources.forget(request.path))

@@ -20,16 +20,19 @@ The cache is an optimisation only: any database failure (locked, unreadable,
 corrupt, a garbled row or a bad checksum) is logged and the file is hashed,
 so the content id is identical with or without it.
 
-Access: only files whose real path (all symlinks resolved) lies under a
-configured source root are read; anything else is PERMISSION_DENIED and the
-client hashes it itself.
+Access: every path is checked by :class:`hwr_server.source_access.SourceAccess`
+for the calling peer BEFORE a hub name, a cache record or a hash answers for
+it (issue 16, finding 6: the daemon runs as root and never vouches for a file
+its caller could not read itself); the hashing job then reads only the exact
+file version that was cleared. Refused is PERMISSION_DENIED, and the client
+hashes the file itself with its own rights.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -41,11 +44,13 @@ import threading
 import time
 from typing import Any, Sequence
 
-from hwr_client.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hwr_client.core.digests import (
-    SourceDigest, content_id_of, hash_fd, normalize_path, open_regular, stat_source,
+    SourceDigest, check_path_text, content_id_of, hash_fd, normalize_path, open_path, real_path_of, reopen_for_reading,
 )
 from hwr_server import db
+from hwr_server.peers import ANONYMOUS, Peer
+from hwr_server.source_access import SourceAccess
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +144,7 @@ def _is_hub_repo_dir(name: str) -> bool:
     return len(parts) == 3 and parts[0] == "models" and all(parts[1:]) and not name.startswith(".")
 
 
-def hub_blob_digest(path: str) -> tuple[str, int] | None:
+def hub_blob_digest(path: str) -> tuple[str, os.stat_result] | None:
     """The trusted SHA-256 of a Hugging Face hub cache file, or None.
 
     Trusted only when ALL hold (anything else is hashed):
@@ -153,7 +158,8 @@ def hub_blob_digest(path: str) -> tuple[str, int] | None:
         path: absolute, normalized path as requested.
 
     Returns:
-        (64 hex, size) or None.
+        (64 hex, lstat of the blob) or None. The caller answers with it only
+        for the inode it opened and checked itself (these checks are by name).
     """
     parts = path.split("/")
     idx = [i for i in range(len(parts) - 3) if parts[i + 1] == "snapshots" and _is_hub_repo_dir(parts[i])]
@@ -180,11 +186,7 @@ def hub_blob_digest(path: str) -> tuple[str, int] | None:
             return None
     except OSError:
         return None
-    return blob_hex, st.st_size
-
-
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
+    return blob_hex, st
 
 
 class SourceCache:
@@ -198,6 +200,7 @@ class SourceCache:
         self.config = config
         self.root: str = config.root
         self.roots = [os.path.realpath(r) for r in config.source_roots]
+        self.access = SourceAccess(self.roots)
         self.racy_window_ns = racy_window_ns
         threads = config.hash_threads or 2 * (os.cpu_count() or 1)
         # Hashing threads: each hashes one file (SHA-256 is sequential within
@@ -250,20 +253,29 @@ class SourceCache:
 
     # -- resolving -------------------------------------------------------------
 
-    def resolve(self, paths: Sequence[str]) -> list[SourceDigest]:
-        """Content ids of ``paths``, in order.
+    def resolve(self, paths: Sequence[str], *, peer: Peer = ANONYMOUS) -> list[SourceDigest]:
+        """Content ids of ``paths``, in order, for the caller ``peer``.
 
-        Every path is checked (access, type) before any file is hashed; then
-        hub names and cache records answer what they can; misses are hashed
-        in parallel, each file once across all concurrent callers.
+        Every path is checked (access for ``peer``, type; see the module doc)
+        before any file is hashed; then hub names and cache records answer
+        what they can; misses are hashed in parallel, each file once across
+        all concurrent callers.
+
+        Args:
+            paths: absolute paths.
+            peer: who asks (:func:`hwr_server.peers.peer_of`); the default,
+                unknown, gets only what anyone may read.
 
         Raises:
-            InvalidArgument: a relative path, a directory, FIFO or device.
-            PermissionDenied: outside the source roots, or unreadable.
+            InvalidArgument: a relative path, a NUL byte, a directory, FIFO
+                or device.
+            PermissionDenied: outside the source roots, or not readable by
+                ``peer`` (or by the daemon).
             NotFound: a missing file or a broken link.
-            FailedPrecondition: a file changed while it was hashed.
+            FailedPrecondition: a file changed or moved while it was checked
+                or hashed.
         """
-        checked = [(p, *self._check(p)) for p in paths]
+        checked = [(p, *self._check(p, peer)) for p in paths]
         out: list[SourceDigest | None] = []
         pending: list[tuple[int, str, str, FileState, concurrent.futures.Future]] = []
         for i, (path, norm, state) in enumerate(checked):
@@ -285,33 +297,19 @@ class SourceCache:
             self.misses += len(pending)
         return out  # type: ignore[return-value]
 
-    def _check(self, path: str) -> tuple[str, FileState]:
-        """Access and type checks; returns the normalized path and its
-        current state."""
-        if not isinstance(path, str) or not os.path.isabs(path):
-            raise InvalidArgument(f"source {path!r}: expected an absolute path")
-        norm = normalize_path(path)
-        if not self.roots:
-            raise PermissionDenied(
-                f"source {path}: the daemon has no source roots; start it with --source-root DIR "
-                "(or source_roots in its config). The client hashes the file itself."
-            )
-        real = os.path.realpath(norm)
-        if not any(_under(real, r) for r in self.roots):
-            if any(_under(norm, r) for r in self.roots):
-                raise PermissionDenied(
-                    f"source {path}: a link under a source root that resolves to {real}, outside every source "
-                    f"root {self.roots}; refused"
-                )
-            raise PermissionDenied(
-                f"source {path}: outside the daemon's source roots {self.roots}; add one with --source-root "
-                "(the client hashes it itself meanwhile)"
-            )
-        return norm, FileState.of(stat_source(norm), real)
+    def _check(self, path: str, peer: Peer) -> tuple[str, FileState]:
+        """Access and type checks of one path for ``peer``
+        (:meth:`SourceAccess.check`); returns the normalized path and the
+        state of the file it named."""
+        norm, st, real = self.access.check(path, peer)
+        return norm, FileState.of(st, real)
 
     def _answer_without_hashing(self, path: str, norm: str, state: FileState) -> SourceDigest | None:
+        # Both answers are for the file _check opened and cleared: the hub
+        # blob only when it is that very inode, a record only when its
+        # state (device, inode, size, times, real path) is that file's now.
         hub = hub_blob_digest(norm)
-        if hub is not None and hub[1] == state.size:
+        if hub is not None and (hub[1].st_dev, hub[1].st_ino, hub[1].st_size) == (state.dev, state.ino, state.size):
             return SourceDigest(path, content_id_of(hub[0]), state.size, True, "hub")
         record = self._load(norm)
         if record is not None and record.state == state:
@@ -319,7 +317,12 @@ class SourceCache:
         return None
 
     def _flight(self, path: str, state: FileState) -> concurrent.futures.Future:
-        """The in-flight hash of this file version, started if there is none."""
+        """The in-flight hash of this file version, started if there is none.
+
+        Joining another caller's flight is safe: the flight is keyed by the
+        file version (device, inode, times, real path) that this caller's own
+        check cleared.
+        """
         with self._lock:
             future = self._inflight.get(state)
             if future is None:
@@ -338,7 +341,13 @@ class SourceCache:
             self._inflight.pop(state, None)
 
     def _hash_and_record(self, path: str, expected: FileState) -> tuple[str, str, int]:
-        """Hashes ``path`` (one pool job) and records the result.
+        """Hashes the file ``path`` names (one pool job) and records the result.
+
+        The name is resolved once more (no descriptor is held across the
+        queue: a request of many files must not hold as many descriptors)
+        and the file it reaches must be EXACTLY the version ``_check``
+        cleared (device, inode, size, times, real path), else nothing is
+        read. The read, the size and the after-check all use that descriptor.
 
         Returns:
             (64 hex, path recorded, time_ns when hashing began).
@@ -349,21 +358,30 @@ class SourceCache:
         with self._lock:
             self.hash_calls += 1
         t0 = time.time_ns()
-        fd, st_open = open_regular(path)
+        pfd = open_path(path)
         try:
-            before = FileState.of(st_open, expected.target)
+            before = FileState.of(os.fstat(pfd), real_path_of(pfd, path))
+            if before != expected:
+                raise FailedPrecondition(
+                    f"source {path}: now names another file or version than the one checked (inode "
+                    f"{expected.ino} -> {before.ino}, size {expected.size} -> {before.size}, real path "
+                    f"{expected.target} -> {before.target}); not read. Retry once it is no longer being changed."
+                )
+            fd = reopen_for_reading(pfd, path)
+        finally:
+            os.close(pfd)
+        try:
             hex_digest, nbytes = hash_fd(fd, path)
-            st_fd_after = os.fstat(fd)
+            st_after = os.fstat(fd)
         finally:
             os.close(fd)
-        after = FileState.of(stat_source(path), os.path.realpath(path))
         with self._lock:
             self.hashed_bytes += nbytes
-        if not (before == expected == after and expected.same_file_version(st_fd_after) and nbytes == expected.size):
+        if not (expected.same_file_version(st_after) and nbytes == expected.size):
             raise FailedPrecondition(
-                f"source {path}: changed while it was hashed (size {expected.size} -> {after.size}, mtime_ns "
-                f"{expected.mtime_ns} -> {after.mtime_ns}, inode {expected.ino} -> {after.ino}, {nbytes} bytes "
-                "read); not cached. Retry once the file is no longer being written."
+                f"source {path}: changed while it was hashed (size {expected.size} -> {st_after.st_size}, mtime_ns "
+                f"{expected.mtime_ns} -> {st_after.st_mtime_ns}, {nbytes} bytes read); not cached. Retry once the "
+                "file is no longer being written."
             )
         self._record(path, expected, hex_digest, t0)
         return hex_digest, path, t0
@@ -468,6 +486,7 @@ class SourceCache:
         """
         if not isinstance(path, str) or not os.path.isabs(path):
             raise InvalidArgument(f"source {path!r}: expected an absolute path")
+        check_path_text(path, f"source {path!r}")
         rows = self._query("forget", f"DELETE FROM {TABLE} WHERE path = ? RETURNING path", (normalize_path(path),))
         if rows is None:
             raise Unavailable(f"source cache {db.path_of(self.root)}: cannot be written now; see the daemon log")

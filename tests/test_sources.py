@@ -27,6 +27,7 @@ from hwr_client.core.digests import absolute_path, hash_file, normalize_path
 from hwr_server import db
 from hwr_server import sources as srcmod
 from hwr_server.config import ServerConfig
+from hwr_server.peers import ANONYMOUS, Peer
 from hwr_server.sources import TABLE, FileState, SourceCache, SourceRecordRow
 
 
@@ -478,9 +479,9 @@ def test_directory_fifo_missing_broken_link(make_cache, src):
     assert cache.hash_calls == 0  # every path is checked before anything is hashed
 
 
-def _raises(fn, *args):
+def _raises(fn, *args, **kwargs):
     try:
-        fn(*args)
+        fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - returned to the test
         return exc
     return None
@@ -543,6 +544,52 @@ def _run_as(user: pwd.struct_passwd, fn) -> dict:
     result = json.loads(data)
     assert os.waitstatus_to_exitcode(status) == 0, result
     return result
+
+
+def test_the_callers_uid_decides_what_is_vouched_for(make_cache, src):
+    """The access rule of hwr_server.sources for each kind of caller: uid 0
+    everything; the owner its owner bits; another known uid (groups not
+    known) the group AND other bits; an unknown uid every class (it may be
+    anyone, the owner included)."""
+    private = src / "private"
+    private.mkdir()
+    secret = write(private / "s.bin", b"s" * 10)
+    os.chown(private, 1234, 1234)
+    os.chown(secret, 1234, 1234)
+    os.chmod(private, 0o700)
+    os.chmod(secret, 0o640)
+    cache = make_cache()
+    assert cache.resolve([secret], peer=Peer(pid=1, uid=0))[0].content_id == sha(b"s" * 10)
+    assert cache.resolve([secret], peer=Peer(pid=1, uid=1234))[0].origin == "cache"  # the owner
+    for peer in (Peer(pid=1, uid=4321), ANONYMOUS):
+        with pytest.raises(PermissionDenied, match=f"may not search directory {private} .mode 0700"):
+            cache.resolve([secret], peer=peer)
+    os.chmod(private, 0o755)
+    for mode, other_uid_ok, anonymous_ok in ((0o640, False, False), (0o604, False, False), (0o444, True, True),
+                                             (0o044, True, False), (0o644, True, True)):
+        os.chmod(secret, mode)
+        for peer, ok in ((Peer(pid=1, uid=4321), other_uid_ok), (ANONYMOUS, anonymous_ok)):
+            outcome = _raises(cache.resolve, [secret], peer=peer)
+            assert (outcome is None) == ok, (oct(mode), peer, outcome)
+            assert outcome is None or (isinstance(outcome, PermissionDenied) and "may not read" in str(outcome))
+
+
+def test_a_file_swapped_in_after_the_check_is_not_read(make_cache, src, monkeypatch):
+    """The hashing job re-resolves the name (it holds no descriptor across the
+    queue) and reads only the very file version the check cleared."""
+    path = write(src / "a.bin", b"checked")
+    other = write(src / "b.bin", b"swapped in")
+    cache = make_cache()
+    answer = cache._answer_without_hashing
+
+    def swap_then_answer(*args):  # seam: between the check and the hash
+        os.replace(other, path)
+        return answer(*args)
+
+    monkeypatch.setattr(cache, "_answer_without_hashing", swap_then_answer)
+    with pytest.raises(FailedPrecondition, match="now names another file or version than the one checked"):
+        cache.resolve([path])
+    assert cache.stats()["hwr_source_hashed_bytes_total"] == 0 and cache.list_records() == []
 
 
 # -- records ----------------------------------------------------------------------------

@@ -1,6 +1,12 @@
 """Content ids of canonical files: the ONE hashing function the daemon and
 the client share, and the checks that a source path is a regular file.
 
+A source path is resolved once (:func:`open_path`, an ``O_PATH``
+descriptor); its type, real path and the read itself all go through that
+descriptor, so a name re-pointed meanwhile never swaps in another file, and
+a device or FIFO is never opened. Linux only (``O_PATH``, ``/proc/self/fd``),
+like the daemon.
+
 Torch-free (the daemon imports it). A content id is ``sha256:<hex>`` of the
 file bytes, whichever side computed it.
 """
@@ -8,17 +14,24 @@ file bytes, whichever side computed it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import os
 import stat
 from typing import Any
 
-from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument, NotFound, PermissionDenied
+from hwr_client.core.errors import (
+    FailedPrecondition, HwrError, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
+)
 
 #: Bytes per read while hashing. Large reads keep the kernel's readahead busy
 #: and make the per-call GIL hand-off negligible (hashlib releases the GIL
 #: while it digests a buffer).
 READ_CHUNK = 8 * 1024 * 1024
+
+#: Linux's PATH_MAX, bytes including the terminating NUL: the kernel refuses
+#: a longer path (ENAMETOOLONG), so one is refused before any lookup.
+PATH_MAX = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +55,28 @@ class SourceDigest:
 
 
 def os_error(path: str, exc: OSError) -> HwrError:
-    """The HWR error for an OS error on a source path, naming the path."""
+    """The HWR error for an OS error on a source path, naming the path.
+
+    Every errno a hostile or mistaken path can produce maps to a fitting
+    status; only an unexpected one is FAILED_PRECONDITION (never INTERNAL).
+    """
+    code = exc.errno
     if isinstance(exc, FileNotFoundError):
         return NotFound(f"source {path}: no such file; expected an existing regular file")
+    if code == errno.ENOTDIR:
+        return NotFound(f"source {path}: a component of the path is not a directory; expected a regular file")
     if isinstance(exc, PermissionError):
         return PermissionDenied(
             f"source {path}: permission denied for uid {os.geteuid()}; expected a readable regular file"
         )
     if isinstance(exc, IsADirectoryError):
         return InvalidArgument(f"source {path}: is a directory; expected a regular file")
+    if code == errno.ELOOP:
+        return InvalidArgument(f"source {path}: too many levels of symbolic links; expected a regular file")
+    if code == errno.ENAMETOOLONG:
+        return InvalidArgument(f"source {path}: name too long; expected a path under PATH_MAX ({PATH_MAX}) bytes")
+    if code in (errno.EMFILE, errno.ENFILE):
+        return ResourceExhausted(f"source {path}: out of file descriptors ({exc.strerror}); retry later")
     return FailedPrecondition(f"source {path}: cannot read ({exc.strerror or exc})")
 
 
@@ -71,6 +97,30 @@ def check_regular(path: str, st: os.stat_result) -> None:
     raise InvalidArgument(f"source {path}: is a {kind}; expected a regular file")
 
 
+def check_path_text(path: str, what: str = "source path") -> None:
+    """Raises unless ``path`` can name a file at all: a NUL byte would make
+    ``os.open`` raise ValueError (an INTERNAL error), and a path of PATH_MAX
+    bytes or more is refused by the kernel.
+
+    Raises:
+        InvalidArgument: naming ``what`` (e.g. ``ResolveSources: paths[3]``).
+    """
+    if "\x00" in path:
+        raise InvalidArgument(f"{what} contains a NUL byte; expected an absolute file path")
+    size = len(path.encode("utf-8", "surrogateescape"))
+    if size >= PATH_MAX:
+        raise InvalidArgument(f"{what} is {size} bytes long; expected at most {PATH_MAX - 1} (the kernel's PATH_MAX)")
+
+
+def _broken_or(path: str, exc: OSError) -> HwrError:
+    if isinstance(exc, FileNotFoundError) and os.path.islink(path):
+        try:
+            return NotFound(f"source {path}: broken symlink to {os.readlink(path)!r}; expected a regular file")
+        except OSError:
+            pass
+    return os_error(path, exc)
+
+
 def stat_source(path: str) -> os.stat_result:
     """``os.stat`` (following links) of a source path that must be a regular
     file; a broken symlink is reported as such.
@@ -80,46 +130,102 @@ def stat_source(path: str) -> os.stat_result:
     """
     try:
         st = os.stat(path)
-    except FileNotFoundError:
-        if os.path.islink(path):
-            raise NotFound(f"source {path}: broken symlink to {os.readlink(path)!r}; expected a regular file") from None
-        raise NotFound(f"source {path}: no such file; expected an existing regular file") from None
     except OSError as exc:
-        raise os_error(path, exc) from None
+        raise _broken_or(path, exc) from None
     check_regular(path, st)
     return st
 
 
-def open_regular(path: str) -> tuple[int, os.stat_result]:
-    """Opens a regular file for reading without ever blocking on a FIFO.
+def open_path(path: str) -> int:
+    """An ``O_PATH`` descriptor of ``path`` (symlinks followed).
 
-    The type is checked on ``stat`` BEFORE opening, and the open uses
-    O_NONBLOCK so that a FIFO swapped in between cannot block us either (its
-    open returns at once and the ``fstat`` check refuses it).
+    ``O_PATH`` resolves the name ONCE and pins the inode it reached, without
+    opening the file itself: no driver's open runs (a device named by a
+    planted link has no side effect), a FIFO cannot block, and no read
+    permission is needed yet. Every later check (:func:`real_path_of`,
+    ``fstat``) and the read itself (:func:`reopen_for_reading`) go through this
+    descriptor, so they all see the same file whatever happens to the name.
+
+    Returns:
+        The descriptor; the caller closes it.
+
+    Raises:
+        NotFound (also a broken symlink, named as such), PermissionDenied,
+        InvalidArgument, ResourceExhausted, FailedPrecondition.
+    """
+    try:
+        return os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _broken_or(path, exc) from None
+
+
+def real_path_of(fd: int, path: str = "<fd>") -> str:
+    """The real path of the file ``fd`` is open on (all symlinks resolved),
+    as the kernel records it: no second lookup by name.
+
+    Raises:
+        FailedPrecondition: /proc is not mounted, or the file was deleted.
+    """
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as exc:
+        raise FailedPrecondition(f"source {path}: cannot read its real path from /proc/self/fd ({exc.strerror}); "
+                                 "expected /proc to be mounted") from None
+    if not real.startswith("/") or real.endswith(" (deleted)"):
+        raise FailedPrecondition(f"source {path}: was deleted or moved while it was checked; retry")
+    return real
+
+
+def reopen_for_reading(fd: int, path: str = "<fd>") -> int:
+    """A read-only descriptor of the very file the ``O_PATH`` descriptor
+    ``fd`` pins (through ``/proc/self/fd``, so no name is looked up again).
+    The kernel checks read permission for this process here.
+
+    The caller checks the type first (a device's open has side effects).
+    O_NONBLOCK is kept until after this open for the same reason as in
+    :func:`open_regular`; regular files ignore it, and it is cleared.
+
+    Raises:
+        PermissionDenied: this process may not read it.
+        NotFound, FailedPrecondition, ResourceExhausted.
+    """
+    try:
+        rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as exc:
+        raise os_error(path, exc) from None
+    try:
+        os.set_blocking(rfd, True)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    except BaseException:
+        os.close(rfd)
+        raise
+    return rfd
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """Opens a regular file for reading: one name lookup, never blocking on
+    a FIFO, never opening a device.
+
+    The name is resolved once (:func:`open_path`); the type is checked on
+    that inode; only then is the same inode opened for reading
+    (:func:`reopen_for_reading`). A file swapped in under the name
+    meanwhile is not the one read.
 
     Returns:
         (fd, fstat of the opened file). The caller closes the fd.
 
     Raises:
-        NotFound, PermissionDenied, InvalidArgument, FailedPrecondition.
+        NotFound, PermissionDenied, InvalidArgument, ResourceExhausted,
+        FailedPrecondition.
     """
-    stat_source(path)
+    pfd = open_path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise os_error(path, exc) from None
-    try:
-        st = os.fstat(fd)
+        st = os.fstat(pfd)
         check_regular(path, st)
-        # Regular files ignore O_NONBLOCK for reads; clear it anyway so a
-        # read never returns EAGAIN on an exotic filesystem.
-        os.set_blocking(fd, True)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        return fd, st
-    except BaseException:
-        os.close(fd)
-        raise
+        return reopen_for_reading(pfd, path), st
+    finally:
+        os.close(pfd)
 
 
 def hash_fd(fd: int, path: str = "<fd>") -> tuple[str, int]:
