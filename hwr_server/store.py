@@ -32,7 +32,7 @@ from hwr_client.core.manifest import Manifest
 from hwr_server import commit
 from hwr_server.commit import dir_bytes
 from hwr_server.config import ServerConfig
-from hwr_server.recovery import RecoveryReport, recover, verify_artifact
+from hwr_server.recovery import RecoveryReport, Untrusted, read_stored, recover, verify_artifact
 
 log = logging.getLogger(__name__)
 
@@ -197,12 +197,18 @@ class Store:
     def manifest_json(self, key: str) -> str:
         """The manifest.json text as stored (raises like :meth:`get`)."""
         self.get(key)
+        what = f"artifact {key[:12]} manifest"
         try:
-            with open(os.path.join(self.artifact_dir(key), MANIFEST), encoding="utf-8") as f:
-                return f.read()
+            # Bounded and never through a link: recovery checked this file,
+            # but the store's directory is not the daemon's alone.
+            raw = read_stored(os.path.join(self.artifact_dir(key), MANIFEST), what=what,
+                              limit=self.config.max_stored_manifest_bytes)
         except FileNotFoundError:
             # Deleted (rm, GC) between the index check and the open.
             raise NotFound(f"artifact {key[:12]}: removed while being read; expected a published identity key") from None
+        except Untrusted as exc:
+            raise FailedPrecondition(f"{exc}; run `hwr verify {key[:12]}` or restart the daemon to quarantine it") from None
+        return raw.decode("utf-8")
 
     def contains(self, key: str) -> bool:
         with self._lock:
@@ -462,7 +468,7 @@ class Store:
         return self.config.hash_threads or os.cpu_count() or 1
 
     def quarantine(self, key: str, reason: str, *, bad_blobs: tuple[str, ...] = (),
-                   manifest: Manifest | None = None) -> str:
+                   manifest: Manifest | None = None, blobs: tuple[str, ...] = ()) -> str:
         """Moves a published artifact to quarantine/<key>.<reason>.<ts>/,
         together with its corrupt blobs and the blobs no other artifact uses
         (the sequence is :func:`hwr_server.commit.quarantine`).
@@ -470,6 +476,8 @@ class Store:
         Args:
             manifest: the artifact's manifest when it is not in the index
                 (recovery), so its exclusive blobs move along.
+            blobs: without a manifest, the blobs it may reference (recovery
+                found them in a manifest that did not parse).
 
         Returns:
             The quarantine entry name.
@@ -477,7 +485,7 @@ class Store:
         Raises:
             NotFound: the key is not published.
         """
-        return commit.quarantine(self, key, reason, bad_blobs=bad_blobs, manifest=manifest)
+        return commit.quarantine(self, key, reason, bad_blobs=bad_blobs, manifest=manifest, blobs=blobs)
 
     def delete(self, key: str) -> int:
         """Unpublishes an artifact and unlinks its blobs that no other
@@ -502,9 +510,11 @@ class Store:
             parts = name.split(".")
             key, reason = parts[0], (parts[1] if len(parts) > 2 else "unknown")
             try:
-                with open(os.path.join(self.quarantine_dir, name, "artifact", MANIFEST), "rb") as f:
-                    m = Manifest.from_json(f.read())
-                out.append(summary_of(m, "quarantined", reason=reason, entry=name))
+                # read_stored: a quarantined manifest is whatever failed the
+                # checks (a link to a FIFO or to /dev/zero among them).
+                raw = read_stored(os.path.join(self.quarantine_dir, name, "artifact", MANIFEST),
+                                  what=f"quarantine/{name} manifest", limit=self.config.max_stored_manifest_bytes)
+                out.append(summary_of(Manifest.from_json(raw), "quarantined", reason=reason, entry=name))
             except Exception:  # noqa: BLE001 - a corrupt manifest is why it is here
                 out.append(ArtifactSummary(key, "quarantined", reason=reason, entry=name))
         return out

@@ -19,6 +19,9 @@ import uuid
 
 import pytest
 
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import FailedPrecondition
+from tests.conftest import identity, sample_tensors
 from tests.daemon import make_daemon, wait_serving
 from tests.privdrop import nobody, popen_python_as, run_python_as
 
@@ -177,3 +180,202 @@ def test_default_runtime_dir_of_another_user_is_refused_by_daemon_and_client(nob
     ), env=env)
     assert client.returncode == 0, client.stderr
     assert client.stdout.startswith("refused:") and f"{run} on its way is owned by uid {OTHER_UID}" in client.stdout
+
+
+# -- findings 8, 9, 11: startup recovery of a store nobody vouches for ---------------
+
+
+def _publish(d, *tags: str, seed: int = 0) -> dict[str, object]:
+    """Publishes one small artifact per tag (one file per block, so each
+    has blobs of its own); returns tag -> manifest."""
+    out = {}
+    with d.client() as c:
+        for i, tag in enumerate(tags):
+            out[tag] = c.publish(identity(t=tag), sample_tensors(blocks=2, seed=seed + i), file_target_bytes=1).manifest
+    return out
+
+
+def _states(d) -> dict[str, tuple[str, str]]:
+    """key -> (state, reason) as ListArtifacts reports it."""
+    with d.client() as c:
+        reply = c.call(c.reader.ListArtifacts, pb.ListArtifactsRequest())
+    return {a.key: (a.state, a.reason) for a in reply.artifacts}
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def _replace(path: str, plant) -> None:
+    """Replaces a (read-only) stored file by what ``plant(path)`` creates."""
+    os.unlink(path)
+    plant(path)
+
+
+def _plant_fifo(tmp_path):
+    fifo = str(tmp_path / "fifo")
+    if not os.path.exists(fifo):
+        os.mkfifo(fifo)
+    return lambda p: os.symlink(fifo, p)
+
+
+def _plant_sparse(tmp_path):
+    def plant(p: str) -> None:
+        with open(p, "wb") as f:
+            f.truncate(1 << 30)  # 1 GiB of holes: costs no disk, would cost 1 GiB of RAM to read
+    return plant
+
+
+def _plant_outside(tmp_path):
+    def plant(p: str) -> None:
+        outside = str(tmp_path / "outside-manifest.json")
+        os.symlink(outside, p)
+    return plant
+
+
+PLANTS = {
+    "manifest-fifo-link": _plant_fifo,
+    "manifest-dev-zero-link": lambda tmp_path: (lambda p: os.symlink("/dev/zero", p)),
+    "manifest-sparse-1GiB": _plant_sparse,
+    "manifest-link-outside-root": _plant_outside,
+}
+
+
+@pytest.mark.parametrize("plant", sorted(PLANTS))
+def test_recovery_never_follows_or_reads_unbounded_a_planted_manifest(tmp_path, make_daemon_fixture, plant):
+    """manifest.json as a link to a FIFO (the daemon used to hang, deaf to
+    SIGTERM), to /dev/zero (9 GB of RSS), a 1 GiB sparse file (read whole),
+    a link to a valid manifest outside the root (published): each is
+    quarantined, the daemon reaches SERVING, serves the other artifact, keeps
+    its peak RSS far under the planted size, and exits 0 on SIGTERM."""
+    d = make_daemon_fixture()
+    m = _publish(d, "good", "planted")
+    d.stop()
+    good, bad = m["good"].key, m["planted"].key
+    mpath = os.path.join(d.root, "artifacts", bad, "manifest.json")
+    shutil.copy(mpath, tmp_path / "outside-manifest.json")
+    _replace(mpath, PLANTS[plant](tmp_path))
+    d.start(wait=False)
+    wait_serving(d.socket, timeout=20, proc=d.proc)
+    states = _states(d)
+    assert states[good] == ("published", "")
+    assert states[bad][0] == "quarantined"
+    with d.client() as c:
+        assert c.lookup(good).key == good
+        with pytest.raises(FailedPrecondition, match="quarantined"):
+            c.lookup(bad)
+    assert _peak_rss_bytes(d.proc.pid) < 512 * 2**20
+    assert d.stop(signal.SIGTERM) == 0
+
+
+def test_recovery_quarantines_an_artifact_directory_linked_outside_the_root(tmp_path, make_daemon_fixture):
+    """artifacts/<key> as a link to a valid artifact directory elsewhere is
+    not published (it used to be): quarantined as a link, the target untouched."""
+    d = make_daemon_fixture()
+    m = _publish(d, "good", "linked")
+    d.stop()
+    good, bad = m["good"].key, m["linked"].key
+    art = os.path.join(d.root, "artifacts", bad)
+    outside = str(tmp_path / "outside-artifact")
+    shutil.copytree(art, outside)
+    shutil.rmtree(art)
+    os.symlink(outside, art)
+    d.start()
+    states = _states(d)
+    assert states[good] == ("published", "") and states[bad] == ("quarantined", "artifact-link")
+    assert os.listdir(outside) == ["manifest.json"]
+
+
+def test_unparseable_manifest_is_quarantined_with_its_blobs(make_daemon_fixture):
+    """A manifest that does not parse (two bytes cut off its end): the blobs
+    it names that no other artifact uses go into its quarantine entry; they
+    used to be unlinked as unreferenced. Shared blobs stay in blobs/."""
+    d = make_daemon_fixture()
+    m = _publish(d, "good", "broken")
+    d.stop()
+    good, bad = m["good"], m["broken"]
+    mpath = os.path.join(d.root, "artifacts", bad.key, "manifest.json")
+    with open(mpath, "rb") as f:
+        raw = f.read()
+    os.unlink(mpath)
+    with open(mpath, "wb") as f:
+        f.write(raw[:-2])
+    shared = {f.blob for f in good.files}
+    own = {f.blob for f in bad.files} - shared
+    assert own, "the test needs blobs only the broken artifact uses"
+    d.start()
+    assert _states(d)[bad.key] == ("quarantined", "manifest-invalid")
+    entry, = [e for e in os.listdir(os.path.join(d.root, "quarantine")) if e.startswith(bad.key)]
+    assert set(os.listdir(os.path.join(d.root, "quarantine", entry, "blobs"))) == own
+    assert set(os.listdir(os.path.join(d.root, "blobs", "sha256"))) == shared
+
+
+def _nobody_store(make_daemon_fixture, tags):
+    """A store published by root, then handed to uid nobody (chown -R), in a
+    directory nobody can reach; returns (daemon as root stopped, manifests,
+    the base directory)."""
+    user = nobody()
+    base = tempfile.mkdtemp(prefix="hwr-nobody-", dir="/tmp")
+    d = make_daemon_fixture(root=os.path.join(base, "root"))
+    m = _publish(d, *tags)
+    d.stop()
+    for dirpath, dirs, files in os.walk(base):
+        for n in [dirpath, *(os.path.join(dirpath, x) for x in dirs + files)]:
+            os.lchown(n, user.pw_uid, user.pw_gid)
+    return d, m, base
+
+
+def test_recovery_under_a_non_root_daemon_skips_what_it_cannot_read(make_daemon_fixture):
+    """Under a daemon running as nobody: a stray directory in blobs/sha256
+    (IsADirectoryError), a root-owned 0600 manifest and a root-owned 0600
+    blob (PermissionError) used to make `hwr serve` exit 1. Now the daemon
+    serves the good artifact, quarantines the two with their reasons, and
+    skips (not served, blobs kept) an artifact directory of root's it may
+    not even move."""
+    user = nobody()
+    d, m, base = _nobody_store(make_daemon_fixture, ["good", "manifest", "blob", "rootdir"])
+    try:
+        blobs = os.path.join(d.root, "blobs", "sha256")
+        os.mkdir(os.path.join(blobs, "stray-directory"))
+        mpath = os.path.join(d.root, "artifacts", m["manifest"].key, "manifest.json")
+        own_blob = [f.blob for f in m["blob"].files if all(f.blob != g.blob for g in m["good"].files)][-1]
+        for path in (mpath, os.path.join(blobs, own_blob)):
+            os.chown(path, 0, 0)
+            os.chmod(path, 0o600)
+        rootdir = os.path.join(d.root, "artifacts", m["rootdir"].key)
+        os.chown(rootdir, 0, 0)
+        os.chmod(rootdir, 0o755)
+        sockdir = os.path.join(base, "run")
+        os.mkdir(sockdir, 0o700)
+        os.chown(sockdir, user.pw_uid, user.pw_gid)
+        sock = os.path.join(sockdir, "hwr.sock")
+        proc = popen_python_as(user.pw_uid, user.pw_gid, [
+            "-m", "hwr_client.cli", "serve", "--root", d.root, "--socket", sock,
+            "--admin-socket", os.path.join(sockdir, "admin.sock")],
+            env={"HOME": base, "PATH": os.environ["PATH"]}, cwd=base,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_serving(sock, timeout=20, proc=proc)
+            d.socket, d.admin_socket = sock, os.path.join(sockdir, "admin.sock")
+            states = _states(d)
+            with d.client() as c:
+                assert c.lookup(m["good"].key).key == m["good"].key
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert proc.returncode == 0, out
+        assert states[m["good"].key] == ("published", "")
+        assert states[m["manifest"].key] == ("quarantined", "manifest-unreadable")
+        assert states[m["blob"].key][0] == "quarantined" and states[m["blob"].key][1].startswith("blob-")
+        assert m["rootdir"].key not in states  # neither served nor movable
+        assert os.path.isdir(rootdir) and all(os.path.exists(os.path.join(blobs, f.blob)) for f in m["rootdir"].files)
+        assert os.path.isdir(os.path.join(blobs, "stray-directory"))
+        assert "stray-directory is d" in out and "could not quarantine it" in out
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
