@@ -162,11 +162,22 @@ def delete(c: Components, request: pb.DeleteArtifactRequest, context: grpc.Servi
     """
     store = c.store
     key = check_key(request.key)
-    if not request.force:
-        holders = c.leases.holders(key)
-        if holders:
-            names = ", ".join(f"pid {h.pid} since {h.acquired_unix}" for h in holders)
-            raise FailedPrecondition(
-                f"artifact {key[:12]}: leased by {names}; stop those workers or use `hwr rm --force`"
-            )
-    return pb.DeleteArtifactReply(bytes_freed=store.delete(key))
+    # The guard (the store's lock) spans the holder check AND the delete. A
+    # lease grant reads the artifact under the same lock (store.get) before
+    # it records the lease, so a grant either recorded its lease before our
+    # check (we see the holder and refuse) or reads the artifact after the
+    # delete (NotFound). Without it, a grant could read the artifact, record
+    # its lease and hand out the blob paths between our check and the
+    # unlink: a lease on a deleted artifact. Lock order: store, then leases
+    # (holders() takes the lease manager's lock inside ours; the lease
+    # manager never calls the store under its own).
+    with store.delete_guard():
+        if not request.force:
+            holders = c.leases.holders(key)
+            if holders:
+                names = ", ".join(f"pid {h.pid} since {h.acquired_unix}" for h in holders)
+                raise FailedPrecondition(
+                    f"artifact {key[:12]}: leased by {names}; stop those workers or use `hwr rm --force`"
+                )
+        freed = store.delete(key)
+    return pb.DeleteArtifactReply(bytes_freed=freed)

@@ -15,15 +15,21 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
+import types
 import uuid
 
 import pytest
 
 from hwr_client.core._proto import hwr_pb2 as pb
-from hwr_client.core.errors import FailedPrecondition
+from hwr_client.core.errors import FailedPrecondition, NotFound
+from hwr_client.tensors import build_plan
+from hwr_server import rpc_store
+from hwr_server.leases import LeaseManager
 from tests.conftest import identity, sample_tensors
 from tests.daemon import make_daemon, wait_serving
 from tests.privdrop import nobody, popen_python_as, run_python_as
+from tests.test_store import make_store, publish_inproc
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="planting files of other users needs root")
 
@@ -379,3 +385,55 @@ def test_recovery_under_a_non_root_daemon_skips_what_it_cannot_read(make_daemon_
         assert "stray-directory is d" in out and "could not quarantine it" in out
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+# -- finding 14: a lease granted between DeleteArtifact's lease check and its delete ---
+
+
+def test_lease_granted_in_the_gap_of_a_non_force_delete_never_lands_on_a_deleted_artifact(tmp_path, monkeypatch):
+    """In process, at the seam between the holder check and the delete: a
+    grant started there must either be seen by the check (delete refused) or
+    wait for the delete and fail; it used to complete in the gap, so the
+    delete went on and the worker held a lease on a deleted artifact."""
+    store = make_store(tmp_path)
+    tensors = sample_tensors()
+    key = publish_inproc(store, build_plan(identity(t="gap"), tensors), tensors).key
+    leases = LeaseManager(store.config, store)
+    session = leases.open_session(pid=4242, client_name="gap").session_id
+    outcome: dict[str, object] = {}
+
+    def grant() -> None:
+        try:
+            outcome["grant"] = leases.acquire(session, key)
+        except NotFound as exc:
+            outcome["grant"] = exc
+
+    real_delete = store.delete
+
+    def delete_with_a_grant_in_the_gap(k: str) -> int:
+        t = threading.Thread(target=grant)
+        t.start()
+        # Gives the grant every chance to complete now, inside the gap; it
+        # cannot while the delete holds the store's lock (then it waits).
+        t.join(timeout=2.0)
+        outcome["granted_in_gap"] = not t.is_alive()
+        try:
+            return real_delete(k)
+        finally:
+            outcome["thread"] = t
+
+    monkeypatch.setattr(store, "delete", delete_with_a_grant_in_the_gap)
+    c = types.SimpleNamespace(store=store, leases=leases)
+    try:
+        rpc_store.delete(c, pb.DeleteArtifactRequest(key=key), None)  # type: ignore[arg-type]
+        deleted = True
+    except FailedPrecondition:
+        deleted = False
+    t = outcome["thread"]
+    assert isinstance(t, threading.Thread)
+    t.join(timeout=10)
+    granted = not isinstance(outcome["grant"], Exception)
+    assert not (deleted and granted), "a lease was granted on an artifact the delete then removed"
+    assert outcome["granted_in_gap"] is False
+    assert deleted and isinstance(outcome["grant"], NotFound)
+    assert leases.holders(key) == []
