@@ -32,7 +32,7 @@ from hwr_client.core.manifest import Manifest
 from hwr_server import commit
 from hwr_server.commit import dir_bytes
 from hwr_server.config import ServerConfig
-from hwr_server.recovery import RecoveryReport, Untrusted, read_stored, recover, verify_artifact
+from hwr_server.recovery import RecoveryReport, Untrusted, open_stored, read_stored, recover, verify_artifact
 
 log = logging.getLogger(__name__)
 
@@ -357,20 +357,32 @@ class Store:
                         pass
 
     def install_blob(self, key: str, staged: str, digest: str, size: int) -> bool:
-        """Moves a finished, fsynced staging file to blobs/ (or drops it when
-        an intact blob of that digest exists). Returns True if moved."""
+        """Moves a finished, fsynced staging file to blobs/<digest>. When a
+        blob of that digest is already there it is reused only if its bytes
+        equal the staged copy's, which were just hashed to ``digest``: a
+        stored copy that rotted (same size, other bytes) is replaced by the
+        fresh one, never trusted by its name and size alone.
+
+        Returns:
+            True if the staged file was moved into blobs/ (the caller's
+            cleanup unlinks it on a failure before the publish point).
+        """
         dest = self.blob_path(digest)
+        # Outside the lock: comparing may read gigabytes, and every lookup,
+        # lease and commit waits on the lock. The inode compared is checked
+        # again under the lock below.
+        same = _same_bytes(dest, staged, size)
         with self._lock:
             self._pending_blobs.setdefault(key, set()).add(digest)
-            try:
-                existing = os.lstat(dest).st_size
-            except FileNotFoundError:
-                existing = None
-            if existing == size and digest not in self._bad_blobs:
+            if same is not None and digest not in self._bad_blobs and _identity_of(dest) == same:
                 os.unlink(staged)
                 return False
+            if os.path.lexists(dest):
+                log.warning("blob %s: the stored copy differs from the bytes just published and hashed; "
+                            "replaced by them (artifact %s)", digest[:12], key[:12])
             os.chmod(staged, 0o444)
-            # rename is atomic: readers see the old blob or the whole new one.
+            # rename is atomic: readers see the old blob or the whole new one,
+            # and a process that maps the old inode keeps its bytes.
             os.rename(staged, dest)
             self._bad_blobs.discard(digest)
             return True
@@ -534,6 +546,38 @@ class Store:
                 bytes_published=sum({f.blob: f.size for m in self._index.values() for f in m.files}.values()),
                 bytes_quarantined=quarantined_bytes, bytes_staging=staging_bytes,
             )
+
+
+#: Bytes compared at a time when a publication's blob is already stored.
+_COMPARE_BYTES = 1 << 20
+
+
+def _identity_of(path: str) -> tuple[int, int] | None:
+    """(device, inode) of ``path`` itself (not a link's target), or None."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _same_bytes(stored: str, staged: str, size: int) -> tuple[int, int] | None:
+    """(device, inode) of ``stored`` when it is a regular file of ours whose
+    ``size`` bytes equal ``staged``'s; None otherwise (missing, a link, another
+    size or other bytes)."""
+    try:
+        fd, st = open_stored(stored, what=f"blob {os.path.basename(stored)[:12]}")
+    except (FileNotFoundError, Untrusted):
+        return None
+    with os.fdopen(fd, "rb", buffering=0) as a, open(staged, "rb", buffering=0) as b:
+        if st.st_size != size:
+            return None
+        while True:
+            x, y = a.read(_COMPARE_BYTES), b.read(_COMPARE_BYTES)
+            if x != y:
+                return None
+            if not x:
+                return st.st_dev, st.st_ino
 
 
 def _check_entry(name: str) -> None:

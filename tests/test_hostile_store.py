@@ -9,7 +9,7 @@ or serves the rest, and never writes through a planted link.
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 import shutil
 import signal
@@ -437,3 +437,54 @@ def test_lease_granted_in_the_gap_of_a_non_force_delete_never_lands_on_a_deleted
     assert outcome["granted_in_gap"] is False
     assert deleted and isinstance(outcome["grant"], NotFound)
     assert leases.holders(key) == []
+
+
+# -- finding 10: dedup must not trust a stored blob by its name and size ---------------
+
+
+def _flip_byte(path: str, offset: int = -100) -> None:
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(offset, os.SEEK_END)
+        b = f.read(1)
+        f.seek(offset, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.chmod(path, 0o444)
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_publication_replaces_a_rotted_blob_with_the_bytes_it_just_hashed(daemon):
+    """X's blob loses one byte (size unchanged); Y publishes the same bytes.
+    Y used to commit pointing at the rotted blob (and a lease without
+    verification read wrong data). Now the fresh copy replaces it: Y and X
+    both verify, and a reader of the old inode keeps its bytes."""
+    tensors = sample_tensors(blocks=2, seed=5)
+    with daemon.client() as c:
+        x = c.publish(identity(t="x"), tensors, file_target_bytes=1).manifest
+        blob = x.files[-1].blob
+        path = os.path.join(daemon.root, "blobs", "sha256", blob)
+        _flip_byte(path)
+        with open(path, "rb") as old_reader:
+            y = c.publish(identity(t="y"), tensors, file_target_bytes=1).manifest
+            assert blob in {f.blob for f in y.files}
+            assert _sha256(path) == blob  # the stored blob is the bytes just hashed
+            assert hashlib.sha256(old_reader.read()).hexdigest() != blob  # the old inode keeps its bytes
+        for key in (y.key, x.key):
+            reply = c.call(c.admin.VerifyArtifact, pb.VerifyArtifactRequest(key=key))
+            assert reply.results[0].ok, reply
+    assert "the stored copy differs from the bytes just published" in daemon.log()
+
+
+def test_publication_reuses_an_intact_blob_without_a_second_copy(daemon):
+    """The other side of the comparison: an intact stored blob is kept (same
+    inode: mappers of X and Y share one copy in the page cache)."""
+    tensors = sample_tensors(blocks=2, seed=6)
+    with daemon.client() as c:
+        x = c.publish(identity(t="x2"), tensors, file_target_bytes=1).manifest
+        inodes = {f.blob: os.stat(os.path.join(daemon.root, "blobs", "sha256", f.blob)).st_ino for f in x.files}
+        c.publish(identity(t="y2"), tensors, file_target_bytes=1)
+    assert inodes == {b: os.stat(os.path.join(daemon.root, "blobs", "sha256", b)).st_ino for b in inodes}
