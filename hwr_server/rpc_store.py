@@ -72,15 +72,17 @@ def lookup(c: Components, request: pb.LookupRequest, context: grpc.ServicerConte
 
 def report_corruption(c: Components, request: pb.ReportCorruptionRequest, context: grpc.ServicerContext
                       ) -> pb.ReportCorruptionReply:
-    """Re-verifies on the daemon's own; quarantines only if it agrees."""
-    store = c.store
+    """Re-verifies on the daemon's own; quarantines only if it agrees.
+
+    Any runtime client may call this, so the re-hash is throttled per key
+    (:class:`hwr_server.scrub.ReportedVerify`): concurrent reports share one
+    verification, and one that ended less than ``report_verify_interval_s``
+    ago answers for it.
+    """
     key = check_key(request.key)
     log.warning("client reports corruption of %s: %s", key[:12], request.detail[:200])
-    result = store.verify(key)
-    if result.ok:
-        return pb.ReportCorruptionReply(quarantined=False, problems=[])
-    store.quarantine(key, "reported-corrupt", bad_blobs=result.bad_blobs)
-    return pb.ReportCorruptionReply(quarantined=True, problems=list(result.problems))
+    outcome = c.store.reports.report(key)
+    return pb.ReportCorruptionReply(quarantined=outcome.quarantined, problems=list(outcome.problems))
 
 
 # -- admin --------------------------------------------------------------------

@@ -32,6 +32,7 @@ from hwr_client.core.manifest import Manifest
 from hwr_server import commit
 from hwr_server.commit import dir_bytes
 from hwr_server.config import ServerConfig
+from hwr_server.scrub import ReportedVerify
 from hwr_server.recovery import RecoveryReport, Untrusted, open_stored, read_stored, recover, verify_artifact
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,9 @@ class Store:
         self._publication_seconds = 0.0
         self._verify_failures = 0
         self.last_recovery: RecoveryReport | None = None
+        #: ReportCorruption's verifications: one per key at a time, a result
+        #: reused for ``report_verify_interval_s`` (see ReportedVerify).
+        self.reports = ReportedVerify(self, config.report_verify_interval_s)
 
     # -- paths ----------------------------------------------------------------
 

@@ -9,6 +9,7 @@ or serves the rest, and never writes through a planted link.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import shutil
@@ -29,6 +30,7 @@ from hwr_server.leases import LeaseManager
 from tests.conftest import identity, sample_tensors
 from tests.daemon import make_daemon, wait_serving
 from tests.privdrop import nobody, popen_python_as, run_python_as
+from tests.test_gc_daemon import publish
 from tests.test_store import make_store, publish_inproc
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="planting files of other users needs root")
@@ -488,3 +490,50 @@ def test_publication_reuses_an_intact_blob_without_a_second_copy(daemon):
         inodes = {f.blob: os.stat(os.path.join(daemon.root, "blobs", "sha256", f.blob)).st_ino for f in x.files}
         c.publish(identity(t="y2"), tensors, file_target_bytes=1)
     assert inodes == {b: os.stat(os.path.join(daemon.root, "blobs", "sha256", b)).st_ino for b in inodes}
+
+
+# -- finding 13 (first half): ReportCorruption re-hashes at most once per key at a time ---
+
+
+def _bytes_read(pid: int) -> int:
+    """Bytes the process has read (page cache included) since it started."""
+    with open(f"/proc/{pid}/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def _report_all(d, key: str, n: int) -> list:
+    with d.client() as c:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            return list(pool.map(lambda _: c.call(c.runtime.ReportCorruption,
+                                                  pb.ReportCorruptionRequest(key=key, detail="test"), timeout=120),
+                                 range(n)))
+
+
+def test_concurrent_corruption_reports_share_one_verification(make_daemon_fixture):
+    """16 concurrent reports on an intact 32 MiB artifact used to re-hash it
+    16 times (16 x 32 MiB read); now one verification answers them all, and
+    reports within report_verify_interval_s after it re-hash nothing."""
+    d = make_daemon_fixture()
+    with d.client() as c:
+        report = publish(c, "reported", 32)
+    size = report.manifest.size_bytes
+    before = _bytes_read(d.proc.pid)
+    replies = _report_all(d, report.key, 16)
+    during = _bytes_read(d.proc.pid) - before
+    assert all(not r.quarantined and not r.problems for r in replies)
+    assert size <= during < 3 * size, (during, size)
+    before = _bytes_read(d.proc.pid)
+    _report_all(d, report.key, 4)
+    assert _bytes_read(d.proc.pid) - before < size // 4  # the interval: nothing re-hashed
+
+
+def test_reports_of_a_corrupt_artifact_quarantine_it_once_and_all_hear_so(make_daemon_fixture, tmp_path):
+    conf = tmp_path / "hwr.toml"
+    conf.write_text("report_verify_interval_s = 0.0\n")
+    d = make_daemon_fixture("--config", str(conf))
+    with d.client() as c:
+        report = publish(c, "rotten", 8)
+    _flip_byte(os.path.join(d.root, "blobs", "sha256", report.manifest.files[-1].blob))
+    replies = _report_all(d, report.key, 8)
+    assert all(r.quarantined and r.problems for r in replies)
+    assert len([e for e in os.listdir(os.path.join(d.root, "quarantine")) if e.startswith(report.key)]) == 1
