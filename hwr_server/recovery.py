@@ -381,20 +381,9 @@ def _check_all(store: Any) -> tuple[dict[str, Manifest], list[str], set[str]]:
     bad: list[tuple[str, Checked]] = []
     problems: list[str] = []
     for name in sorted(os.listdir(store.artifacts_dir)):
-        problem = _entry_problem(store, name)
-        if problem == ("", ""):
+        checked = _check_entry(store, name)
+        if checked is None:
             continue
-        if problem:
-            log.warning("recovery: %s", problem[1])
-            problems.append(problem[1])
-            found = Checked(None)
-            if problem[0] == "artifact-owner":
-                # A real directory, another user's: what its manifest names
-                # moves with it, or is kept if we may not move it.
-                found = check_artifact(store, name)
-            bad.append((name, Checked(found.manifest, problem[0], problem[1], found.salvaged)))
-            continue
-        checked = check_artifact(store, name)
         if checked.reason:
             problems.append(checked.problem)
             log.warning("recovery: %s; quarantining", checked.problem)
@@ -421,24 +410,25 @@ def _check_all(store: Any) -> tuple[dict[str, Manifest], list[str], set[str]]:
     return good, problems, keep
 
 
-def _entry_problem(store: Any, name: str) -> tuple[str, str] | None:
-    """(reason, problem) when artifacts/<name> is not a real directory of
-    the daemon's user named by an identity key; None when it is; ("", "")
-    when it is gone."""
-    path = store.artifact_dir(name)
+def _check_entry(store: Any, name: str) -> Checked | None:
+    """artifacts/<name> must be a real directory (never a link: it could
+    publish a directory outside the root) of the daemon's user, named by an
+    identity key; then :func:`check_artifact`. None when it is gone."""
     try:
-        st = os.lstat(path)
+        st = os.lstat(store.artifact_dir(name))
     except FileNotFoundError:
-        return "", ""  # gone since listdir (nothing runs beside recovery; kept for safety)
+        return None  # gone since listdir (nothing else runs during recovery)
     if not is_key(name) or not (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
-        return "unknown-entry", f"artifacts/{name}: not an identity-key directory; quarantined"
+        return Checked(None, "unknown-entry", f"artifacts/{name}: not an identity-key directory")
     if stat.S_ISLNK(st.st_mode):
-        # Never followed: a link could publish a directory outside the root.
-        return "artifact-link", f"artifacts/{name}: a symbolic link, expected a directory; quarantined"
+        return Checked(None, "artifact-link", f"artifacts/{name}: a symbolic link, expected a directory")
+    checked = check_artifact(store, name)
     if st.st_uid != os.geteuid():
-        return "artifact-owner", (f"artifacts/{name}: owned by uid {st.st_uid}, expected uid {os.geteuid()} "
-                                  "(the daemon's user); quarantined")
-    return None
+        # Another user's directory: what its manifest names moves with it,
+        # or is kept if we may not move it.
+        return dataclasses.replace(checked, reason="artifact-owner", problem=(
+            f"artifacts/{name}: owned by uid {st.st_uid}, expected uid {os.geteuid()} (the daemon's user)"))
+    return checked
 
 
 def _remove_orphans(store: Any, good: dict[str, Manifest], keep: set[str]) -> int:
