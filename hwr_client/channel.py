@@ -20,7 +20,7 @@ from typing import Any, Callable
 import grpc
 
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.core.defaults import MESSAGE_OPTIONS, default_paths
+from hwr_client.core.defaults import MESSAGE_OPTIONS, check_trusted_dir, default_paths
 from hwr_client.core.errors import InvalidArgument, from_rpc_error
 
 #: Deadline of a unary call, seconds. Long enough for a lookup or a release
@@ -35,14 +35,29 @@ def default_socket(*, admin: bool = False) -> str:
     ``HWR_ADMIN_SOCKET`` / ``HWR_SOCKET`` (read at call time, never at
     import), else the daemon's default for this user.
 
+    The default path may be one anyone can predict (``/tmp/hwr-<uid>-run``
+    without ``XDG_RUNTIME_DIR``), so its directory is checked first: it
+    must be owned by root or this user and not writable by others, up to
+    ``/`` (:func:`hwr_client.core.defaults.check_trusted_dir`); else an
+    impostor could serve there and choose the files this worker maps. We
+    refuse loudly rather than fall back: a worker that quietly ran without
+    the daemon would hide an attack on the node. A path given explicitly
+    (argument or environment) is the caller's choice and is not checked.
+
     Args:
         admin: the admin socket instead of the runtime socket.
+
+    Raises:
+        FailedPrecondition: the default socket's directory is owned or
+            writable by another user (the message names it and the fix).
     """
     env = os.environ.get("HWR_ADMIN_SOCKET" if admin else "HWR_SOCKET")
     if env:
         return env
     _, sock, admin_sock = default_paths()
-    return admin_sock if admin else sock
+    path = admin_sock if admin else sock
+    check_trusted_dir(os.path.dirname(path))
+    return path
 
 
 def open_channel(path: str) -> grpc.Channel:

@@ -251,7 +251,7 @@ def delete(store: SequenceStore, key: str) -> int:
 
 
 def quarantine(store: SequenceStore, name: str, reason: str, *, bad_blobs: Sequence[str] = (),
-               manifest: Manifest | None = None) -> str:
+               manifest: Manifest | None = None, blobs: Sequence[str] = ()) -> str:
     """Moves artifacts/<name> to quarantine/<name>.<reason>.<ts>/artifact,
     together with its corrupt blobs and the blobs no other artifact uses.
 
@@ -272,6 +272,9 @@ def quarantine(store: SequenceStore, name: str, reason: str, *, bad_blobs: Seque
             even when another artifact references them.
         manifest: the artifact's manifest when it is not in the index
             (recovery), so its exclusive blobs move along.
+        blobs: without a manifest (recovery, one that did not parse): the
+            blobs it may reference; those no other artifact uses move along,
+            so the quarantine keeps the artifact's bytes.
 
     Returns:
         The quarantine entry name.
@@ -298,14 +301,15 @@ def quarantine(store: SequenceStore, name: str, reason: str, *, bad_blobs: Seque
         # From here on the artifact is gone: failures are logged, not raised, so
         # the index never lists an artifact that is no longer in artifacts/.
         failpoints.hit("quarantine.move_blobs")
-        if manifest is not None:
-            _move_blobs(store, manifest, name, dest, set(bad_blobs) | store.known_bad_blobs())
+        digests = [f.blob for f in manifest.files] if manifest is not None else list(blobs)
+        if digests:
+            _move_blobs(store, digests, name, dest, set(bad_blobs) | store.known_bad_blobs())
         # 4. The unpublish and the moves survive a crash: the entry's own
         #    entries, its creation in quarantine/, the removals from artifacts/
         #    and blobs/ (else a restart could show a corrupt artifact again).
         failpoints.hit("quarantine.sync_dirs")
         dirs = [dest, store.quarantine_dir, store.artifacts_dir, store.blobs_dir]
-        if manifest is not None:
+        if digests:
             dirs.insert(0, os.path.join(dest, "blobs"))
         for d in dirs:
             _logged(fsync_dir, d, f"artifact {name}: quarantined, fsync of {d}")
@@ -329,19 +333,19 @@ def _new_entry(parent: str, prefix: str, slug: str) -> tuple[str, str]:
     raise ResourceExhausted(f"quarantine: too many entries for {prefix[:12]} at {ts}; run `hwr gc`")
 
 
-def _move_blobs(store: SequenceStore, manifest: Manifest, key: str, dest: str, bad: set[str]) -> None:
+def _move_blobs(store: SequenceStore, digests: Sequence[str], key: str, dest: str, bad: set[str]) -> None:
     """Moves the artifact's corrupt blobs and those nothing else references."""
     others = {blob for blob, keys in store.blob_refs().items() if keys - {key}}
     os.makedirs(os.path.join(dest, "blobs"), exist_ok=True)
-    for f in manifest.files:
-        if f.blob in bad or f.blob not in others:
+    for blob in digests:
+        if blob in bad or blob not in others:
             try:
                 # rename: a reader that still maps the blob keeps valid bytes.
-                os.rename(store.blob_path(f.blob), os.path.join(dest, "blobs", f.blob))
+                os.rename(store.blob_path(blob), os.path.join(dest, "blobs", blob))
             except FileNotFoundError:
                 pass  # missing (the reason for the quarantine) or listed twice
             except OSError as exc:
-                log.error("artifact %s: quarantined, but moving blob %s failed: %s", key, f.blob, exc)
+                log.error("artifact %s: quarantined, but moving blob %s failed: %s", key, blob, exc)
 
 
 def _logged(fn: Callable[[str], None], path: str, what: str) -> None:

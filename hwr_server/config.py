@@ -79,6 +79,17 @@ class ServerConfig:
     #: file is looked at. Count. Default 4096: a real checkpoint has at most a
     #: few hundred files, and the client sends at most 1024 per call.
     max_resolve_paths: int = 4096
+    # -- issue 16, trust in the filesystem (runtime directory, recovery, the store's bytes) --
+    #: Largest manifest.json the daemon reads back from the store (startup
+    #: recovery, the quarantine listing, Lookup), bytes. A larger one is
+    #: quarantined at startup without being read. Default 64 MiB, the gRPC
+    #: message limit (a larger manifest could not be served anyway); a
+    #: 10k-tensor checkpoint's manifest is a few MiB.
+    max_stored_manifest_bytes: int = 64 * 1024 * 1024
+    #: ReportCorruption: reports of one key share one deep verification in
+    #: flight, and within this many seconds after it ended they get its
+    #: result instead of re-hashing the artifact. Seconds; default 60.
+    report_verify_interval_s: float = 60.0
 
     def resolved(self) -> "ServerConfig":
         """A copy with empty paths filled from :func:`default_paths`."""

@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hwr_client.core.defaults import MESSAGE_OPTIONS
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
-from hwr_server import servicer
+from hwr_server import runtime_dir, servicer
 from hwr_server.config import ServerConfig
 from hwr_server.gc import Collector
 from hwr_server.hashing import tune_allocator
@@ -104,7 +104,7 @@ class Daemon:
         #    grpcio would silently steal the first one's socket path.
         self._locks.append(InstanceLock(os.path.join(cfg.root, "hwr.lock"), f"store root {cfg.root}").acquire())
         for path in (cfg.socket, cfg.admin_socket):
-            os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+            runtime_dir.prepare_socket_dir(path)  # created private; refused if another user can change it
             self._locks.append(InstanceLock(path + ".lock", f"socket {path}").acquire())
         # 2. Components, after the locks: the store and the lease database
         #    are touched only by the daemon that holds the root.

@@ -9,6 +9,11 @@ its pid and start time into the lock file so the loser can name it.
 
 These are advisory locks among HWR daemons only; nothing else's correctness
 rests on them (publication uses unique staging names and atomic renames).
+
+The holder truncates and writes the file, so it must be ours: it is opened
+with ``O_NOFOLLOW`` (a link planted in its place, e.g. to a file of the
+daemon's user, is refused rather than written through) and must be a
+regular file owned by the daemon's user.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import time
 
 from hwr_client.core.errors import FailedPrecondition
@@ -38,9 +44,11 @@ class InstanceLock:
         """Takes the lock or fails at once.
 
         Raises:
-            FailedPrecondition: another process holds it; names the holder.
+            FailedPrecondition: another process holds it (names the holder),
+                or the path is a link, not a regular file, or not owned by
+                the daemon's user (names what it is).
         """
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -55,6 +63,31 @@ class InstanceLock:
         os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode(), 0)
         self._fd = fd
         return self
+
+    def _open(self) -> int:
+        """Opens (or creates) the lock file without following a link, and
+        checks it is a regular file of ours before anything writes to it."""
+        try:
+            # O_NOFOLLOW: a link in the final component fails with ELOOP
+            # instead of being written through. O_NONBLOCK: a FIFO planted
+            # here cannot block the open (the fstat below refuses it).
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise FailedPrecondition(
+                    f"lock file {self.path} of {self.what} is a symbolic link; expected a regular file the "
+                    "daemon's user owns. Someone else may have planted it: remove it and check who can write "
+                    "its directory"
+                ) from None
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            raise FailedPrecondition(
+                f"lock file {self.path} of {self.what} is {stat.filemode(st.st_mode)} owned by uid {st.st_uid}; "
+                f"expected a regular file owned by uid {os.geteuid()} (the daemon's user). Remove it"
+            )
+        return fd
 
     def release(self) -> None:
         """Drops the lock (idempotent). The file stays: unlinking it would let

@@ -24,14 +24,38 @@ run again after a crash in the middle of it:
 
 No step fsyncs its removals: a removal that a crash forgets is simply done
 again at the next start.
+
+Nothing under the root is trusted (a damaged disk, an operator's mistake or
+someone with write access to the store may have left anything there), and
+no single entry may stop the daemon from serving the rest:
+
+- every file is opened by :func:`open_stored`: ``O_NOFOLLOW`` (a link is
+  refused, never followed out of the root), ``O_NONBLOCK`` (a FIFO cannot
+  block the open; SIGTERM stays honoured), then fstat: a regular file owned
+  by the daemon's user; every read is bounded (a manifest by
+  ``ServerConfig.max_stored_manifest_bytes``, a header by the safetensors
+  parser's own limit);
+- an artifact directory must be a real directory of the daemon's user;
+- what fails is quarantined with the reason; what cannot even be
+  quarantined (no permission to move it) is skipped with a logged reason,
+  not served, and its blobs are kept; an entry of blobs/ that is not a
+  regular file is skipped with a logged reason, never unlinked as a blob;
+- a manifest that does not parse still names its blobs (64-hex strings in
+  its bytes that are blobs here): they go into the quarantine entry with it,
+  so "quarantine keeps the bytes" holds for it too. An empty, unreadable or
+  oversized manifest names none; its blobs are then unreferenced and go in
+  step 4.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import re
 import shutil
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
@@ -46,6 +70,120 @@ from hwr_server.hashing import WholeHasher, parts_from_manifest, readback
 log = logging.getLogger(__name__)
 
 
+#: A digest as it appears in a manifest (blob names are SHA-256 hex).
+_DIGEST = re.compile(rb"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
+
+
+class Untrusted(Exception):
+    """A stored file that is not what the store writes: a link, not a
+    regular file, another user's, unreadable or over its size limit.
+
+    Attributes:
+        slug: the reason in one word ("link", "not-regular", "owner",
+            "unreadable", "too-large"), for quarantine entry names.
+    """
+
+    def __init__(self, slug: str, text: str):
+        super().__init__(text)
+        self.slug = slug
+
+
+def open_stored(path: str, *, what: str, limit: int | None = None) -> tuple[int, os.stat_result]:
+    """Opens a file of the store for reading without trusting it: no link
+    followed, no blocking open, a regular file of the daemon's user, at most
+    ``limit`` bytes.
+
+    Args:
+        path: the file.
+        what: names it in errors ("artifact 3f2a… manifest").
+        limit: largest size accepted, bytes; None for no limit.
+
+    Returns:
+        (open fd, its fstat); the caller closes the fd.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        Untrusted: naming the path and what it is instead.
+    """
+    try:
+        # O_NOFOLLOW: a link (e.g. to /dev/zero or out of the root) fails with
+        # ELOOP instead of being read. O_NONBLOCK: opening a FIFO returns at
+        # once instead of waiting forever for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise Untrusted("link", f"{what}: {path} is a symbolic link; expected a regular file") from None
+        raise Untrusted("unreadable", f"{what}: cannot open {path} ({exc.strerror})") from None
+    st = os.fstat(fd)
+    problem = _stored_problem(st, path, what, limit)
+    if problem is not None:
+        os.close(fd)
+        raise problem
+    return fd, st
+
+
+def _stored_problem(st: os.stat_result, path: str, what: str, limit: int | None) -> Untrusted | None:
+    if not stat.S_ISREG(st.st_mode):
+        return Untrusted("not-regular", f"{what}: {path} is {stat.filemode(st.st_mode)}, expected a regular file")
+    if st.st_uid != os.geteuid():
+        return Untrusted("owner", f"{what}: {path} is owned by uid {st.st_uid}, expected uid {os.geteuid()} "
+                                  "(the daemon's user)")
+    if limit is not None and st.st_size > limit:
+        return Untrusted("too-large", f"{what}: {path} is {st.st_size} bytes, over the {limit}-byte limit "
+                                      "(ServerConfig.max_stored_manifest_bytes)")
+    return None
+
+
+def read_stored(path: str, *, what: str, limit: int) -> bytes:
+    """The bytes of a stored file, opened by :func:`open_stored`; reads at
+    most ``limit`` + 1 bytes even if the file grows meanwhile.
+
+    Raises:
+        FileNotFoundError / Untrusted: as :func:`open_stored`.
+    """
+    fd, _ = open_stored(path, what=what, limit=limit)
+    try:
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise Untrusted("too-large", f"{what}: {path} grew past the {limit}-byte limit while being read "
+                                     "(ServerConfig.max_stored_manifest_bytes)")
+    return b"".join(chunks)
+
+
+def salvage_blob_names(raw: bytes, blobs_dir: str) -> tuple[str, ...]:
+    """Blob names a manifest that does not parse may still reference: the
+    64-hex strings in its bytes that name a file in ``blobs_dir``."""
+    names = dict.fromkeys(m.group().decode() for m in _DIGEST.finditer(raw))
+    return tuple(n for n in names if os.path.lexists(os.path.join(blobs_dir, n)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What the cheap checks found for one artifact directory.
+
+    Attributes:
+        manifest: the parsed manifest, or None.
+        reason: a slug for the quarantine entry; "" when the artifact is ok.
+        problem: the problem in words.
+        salvaged: blob names found in a manifest that did not parse.
+    """
+
+    manifest: Manifest | None
+    reason: str = ""
+    problem: str = ""
+    salvaged: tuple[str, ...] = ()
+
+
 @dataclasses.dataclass(frozen=True)
 class RecoveryReport:
     """What startup recovery did."""
@@ -58,33 +196,36 @@ class RecoveryReport:
     problems: tuple[str, ...] = ()
 
 
-def check_artifact(store: Any, key: str) -> tuple[Manifest | None, str, str]:
-    """Cheap checks of one artifact directory.
+def check_artifact(store: Any, key: str) -> Checked:
+    """Cheap checks of one artifact directory (the directory itself was
+    checked by the caller: a real directory of the daemon's user).
 
     Returns:
-        (manifest or None, reason slug, problem text); reason is "" when ok.
+        What was found; ``reason`` is "" when the artifact is ok.
     """
     path = os.path.join(store.artifact_dir(key), "manifest.json")
     what = f"artifact {key[:12]} manifest"
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
+        raw = read_stored(path, what=what, limit=store.config.max_stored_manifest_bytes)
     except FileNotFoundError:
-        return None, "manifest-missing", f"{what}: missing at {path}"
+        return Checked(None, "manifest-missing", f"{what}: missing at {path}")
+    except Untrusted as exc:
+        return Checked(None, f"manifest-{exc.slug}", str(exc))
     try:
         manifest = Manifest.from_json(raw, what=what)
     except HwrError as exc:
-        return None, "manifest-invalid", str(exc)
+        return Checked(None, "manifest-invalid", str(exc), salvage_blob_names(raw, store.blobs_dir))
     if manifest.key != key:
-        return None, "manifest-invalid", f"{what}: describes key {manifest.key[:12]}, stored under {key[:12]}"
+        return Checked(None, "manifest-invalid", f"{what}: describes key {manifest.key[:12]}, stored under {key[:12]}",
+                       tuple(dict.fromkeys(f.blob for f in manifest.files)))
     problem = _check_blocks(manifest)
     if problem:
-        return manifest, "manifest-invalid", f"{what}: {problem}"
+        return Checked(manifest, "manifest-invalid", f"{what}: {problem}")
     for f in manifest.files:
         reason, problem = _check_blob(store, manifest, f)
         if reason:
-            return manifest, reason, problem
-    return manifest, "", ""
+            return Checked(manifest, reason, problem)
+    return Checked(manifest)
 
 
 def _check_blocks(manifest: Manifest) -> str:
@@ -101,21 +242,36 @@ def _check_blob(store: Any, manifest: Manifest, f: Any) -> tuple[str, str]:
     what = f"artifact {manifest.key[:12]} file {f.index} (blob {f.blob[:12]})"
     path = store.blob_path(f.blob)
     try:
-        size = os.stat(path).st_size
+        fd, st = open_stored(path, what=what)
     except FileNotFoundError:
         return "blob-missing", f"{what}: blob missing at {path}"
-    if size != f.size:
-        return "blob-size", f"{what}: blob size {size}, expected {f.size}"
-    problem = header_problem(manifest, f.index, path, size, what)
+    except Untrusted as exc:
+        return f"blob-{exc.slug}", str(exc)
+    with os.fdopen(fd, "rb") as fh:
+        if st.st_size != f.size:
+            return "blob-size", f"{what}: blob size {st.st_size}, expected {f.size}"
+        problem = _header_problem_of(fh, manifest, f.index, st.st_size, what)
     return ("blob-header", problem) if problem else ("", "")
 
 
 def header_problem(manifest: Manifest, fi: int, path: str, size: int, what: str) -> str:
     """"" when the blob's safetensors header parses and describes exactly the
-    manifest's tensors of file ``fi`` at their offsets; else the problem."""
+    manifest's tensors of file ``fi`` at their offsets; else the problem.
+    The blob is opened by :func:`open_stored` (a link or FIFO is a problem)."""
     try:
-        with open(path, "rb") as fh:
-            header = parse_header(fh, size, what=what)
+        fd, _ = open_stored(path, what=what)
+    except FileNotFoundError:
+        return f"{what}: blob missing at {path}"
+    except Untrusted as exc:
+        return str(exc)
+    with os.fdopen(fd, "rb") as fh:
+        return _header_problem_of(fh, manifest, fi, size, what)
+
+
+def _header_problem_of(fh: Any, manifest: Manifest, fi: int, size: int, what: str) -> str:
+    try:
+        # The parser bounds its own read (MAX_HEADER_BYTES) and the file size.
+        header = parse_header(fh, size, what=what)
     except HwrError as exc:
         return str(exc)
     expect = sorted((t.name, t.dtype, tuple(t.shape), t.offset) for t in manifest.tensors if t.file == fi)
@@ -138,9 +294,15 @@ def verify_file(manifest: Manifest, fi: int, path: str) -> tuple[list[str], bool
     f = manifest.files[fi]
     what = f"artifact {manifest.key[:12]} file {fi} (blob {f.blob[:12]})"
     try:
-        size = os.stat(path).st_size
+        fd, st = open_stored(path, what=what)
     except FileNotFoundError:
         return [f"{what}: blob missing at {path}"], True, 0
+    except Untrusted as exc:
+        # A link or FIFO where a blob should be is never read (it could
+        # block, or never end: /dev/zero).
+        return [str(exc)], True, 0
+    os.close(fd)
+    size = st.st_size
     problems = [f"{what}: size {size}, expected {f.size}"] if size != f.size else []
     problem = header_problem(manifest, fi, path, size, what)
     if problem:
@@ -210,41 +372,89 @@ def _remove_partial_quarantine(store: Any) -> int:
     return removed
 
 
-def _check_all(store: Any) -> tuple[dict[str, Manifest], list[str]]:
+def _check_all(store: Any) -> tuple[dict[str, Manifest], list[str], set[str]]:
+    """Step 3. Returns (good manifests, problems, blobs to keep although no
+    good manifest references them: those of artifacts that could not be
+    quarantined)."""
     failpoints.hit("recovery.check_artifacts")
     good: dict[str, Manifest] = {}
-    bad: list[tuple[str, Manifest | None, str]] = []
+    bad: list[tuple[str, Checked]] = []
     problems: list[str] = []
     for name in sorted(os.listdir(store.artifacts_dir)):
-        if not is_key(name) or not os.path.isdir(store.artifact_dir(name)):
-            problems.append(f"artifacts/{name}: not an identity-key directory; quarantined")
-            store.quarantine(name, "unknown-entry")
+        checked = _check_entry(store, name)
+        if checked is None:
             continue
-        manifest, reason, problem = check_artifact(store, name)
-        if reason:
-            problems.append(problem)
-            log.warning("recovery: %s; quarantining", problem)
-            bad.append((name, manifest, reason))
-        elif manifest is not None:
-            good[name] = manifest
+        if checked.reason:
+            problems.append(checked.problem)
+            log.warning("recovery: %s; quarantining", checked.problem)
+            bad.append((name, checked))
+        elif checked.manifest is not None:
+            good[name] = checked.manifest
     # Quarantine only once the good set is known, so blobs that a quarantined
     # artifact shares with a good one stay in blobs/.
     store.load_index(good)
-    for name, manifest, reason in bad:
+    keep: set[str] = set()
+    for name, checked in bad:
+        manifest = checked.manifest
         corrupt = tuple(f.blob for f in manifest.files if _check_blob(store, manifest, f)[0]) if manifest else ()
-        store.quarantine(name, reason, bad_blobs=corrupt, manifest=manifest)
-    return good, problems
+        try:
+            store.quarantine(name, checked.reason, bad_blobs=corrupt, manifest=manifest, blobs=checked.salvaged)
+        except OSError as exc:
+            # E.g. a directory of another user that we may not move. Not
+            # served (it is not in the index), left where it is, and its
+            # blobs are kept: one entry must not stop the daemon.
+            log.error("recovery: artifacts/%s: could not quarantine it (%s); skipped, not served", name, exc)
+            keep.update(checked.salvaged)
+            if manifest is not None:
+                keep.update(f.blob for f in manifest.files)
+    return good, problems, keep
 
 
-def _remove_orphans(store: Any, good: dict[str, Manifest]) -> int:
+def _check_entry(store: Any, name: str) -> Checked | None:
+    """artifacts/<name> must be a real directory (never a link: it could
+    publish a directory outside the root) of the daemon's user, named by an
+    identity key; then :func:`check_artifact`. None when it is gone."""
+    try:
+        st = os.lstat(store.artifact_dir(name))
+    except FileNotFoundError:
+        return None  # gone since listdir (nothing else runs during recovery)
+    if not is_key(name) or not (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        return Checked(None, "unknown-entry", f"artifacts/{name}: not an identity-key directory")
+    if stat.S_ISLNK(st.st_mode):
+        return Checked(None, "artifact-link", f"artifacts/{name}: a symbolic link, expected a directory")
+    checked = check_artifact(store, name)
+    if st.st_uid != os.geteuid():
+        # Another user's directory: what its manifest names moves with it,
+        # or is kept if we may not move it.
+        return dataclasses.replace(checked, reason="artifact-owner", problem=(
+            f"artifacts/{name}: owned by uid {st.st_uid}, expected uid {os.geteuid()} (the daemon's user)"))
+    return checked
+
+
+def _remove_orphans(store: Any, good: dict[str, Manifest], keep: set[str]) -> int:
+    """Step 4: unlinks the blobs no good manifest references (except
+    ``keep``). An entry that is not a regular file or a link (a directory)
+    is skipped with a logged reason: it is no blob of ours to unlink."""
     failpoints.hit("recovery.remove_orphans")
-    referenced = {f.blob for m in good.values() for f in m.files}
+    referenced = {f.blob for m in good.values() for f in m.files} | keep
     removed = 0
     for name in os.listdir(store.blobs_dir):
-        if name not in referenced:
-            # Nothing references it and nothing is publishing yet: no reader can need it.
-            os.unlink(store.blob_path(name))
-            removed += 1
+        if name in referenced:
+            continue
+        path = store.blob_path(name)
+        try:
+            st = os.lstat(path)
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                log.warning("recovery: blobs/sha256/%s is %s, not a blob; skipped (remove it by hand)",
+                            name, stat.filemode(st.st_mode))
+                continue
+            # Nothing references it and nothing is publishing yet: no reader
+            # can need it. unlink removes a link itself, never its target.
+            os.unlink(path)
+        except OSError as exc:
+            log.warning("recovery: unreferenced blobs/sha256/%s not removed: %s", name, exc)
+            continue
+        removed += 1
     if removed:
         log.info("recovery: removed %d unreferenced blob(s)", removed)
     return removed
@@ -259,10 +469,10 @@ def recover(store: Any) -> RecoveryReport:
     t0 = time.monotonic()
     staging = _remove_staging(store)
     _remove_partial_quarantine(store)
-    good, problems = _check_all(store)
+    good, problems, keep = _check_all(store)
     # Corrupt blobs of quarantined artifacts were moved with them; what is left
     # unreferenced is garbage from interrupted publications.
-    orphans = _remove_orphans(store, good)
+    orphans = _remove_orphans(store, good, keep)
     store.load_index(good)
     report = RecoveryReport(len(good), len(problems), staging, orphans, time.monotonic() - t0, tuple(problems))
     log.info(

@@ -72,15 +72,17 @@ def lookup(c: Components, request: pb.LookupRequest, context: grpc.ServicerConte
 
 def report_corruption(c: Components, request: pb.ReportCorruptionRequest, context: grpc.ServicerContext
                       ) -> pb.ReportCorruptionReply:
-    """Re-verifies on the daemon's own; quarantines only if it agrees."""
-    store = c.store
+    """Re-verifies on the daemon's own; quarantines only if it agrees.
+
+    Any runtime client may call this, so the re-hash is throttled per key
+    (:class:`hwr_server.scrub.ReportedVerify`): concurrent reports share one
+    verification, and one that ended less than ``report_verify_interval_s``
+    ago answers for it.
+    """
     key = check_key(request.key)
     log.warning("client reports corruption of %s: %s", key[:12], request.detail[:200])
-    result = store.verify(key)
-    if result.ok:
-        return pb.ReportCorruptionReply(quarantined=False, problems=[])
-    store.quarantine(key, "reported-corrupt", bad_blobs=result.bad_blobs)
-    return pb.ReportCorruptionReply(quarantined=True, problems=list(result.problems))
+    outcome = c.store.reports.report(key)
+    return pb.ReportCorruptionReply(quarantined=outcome.quarantined, problems=list(outcome.problems))
 
 
 # -- admin --------------------------------------------------------------------
@@ -162,11 +164,22 @@ def delete(c: Components, request: pb.DeleteArtifactRequest, context: grpc.Servi
     """
     store = c.store
     key = check_key(request.key)
-    if not request.force:
-        holders = c.leases.holders(key)
-        if holders:
-            names = ", ".join(f"pid {h.pid} since {h.acquired_unix}" for h in holders)
-            raise FailedPrecondition(
-                f"artifact {key[:12]}: leased by {names}; stop those workers or use `hwr rm --force`"
-            )
-    return pb.DeleteArtifactReply(bytes_freed=store.delete(key))
+    # The guard (the store's lock) spans the holder check AND the delete. A
+    # lease grant reads the artifact under the same lock (store.get) before
+    # it records the lease, so a grant either recorded its lease before our
+    # check (we see the holder and refuse) or reads the artifact after the
+    # delete (NotFound). Without it, a grant could read the artifact, record
+    # its lease and hand out the blob paths between our check and the
+    # unlink: a lease on a deleted artifact. Lock order: store, then leases
+    # (holders() takes the lease manager's lock inside ours; the lease
+    # manager never calls the store under its own).
+    with store.delete_guard():
+        if not request.force:
+            holders = c.leases.holders(key)
+            if holders:
+                names = ", ".join(f"pid {h.pid} since {h.acquired_unix}" for h in holders)
+                raise FailedPrecondition(
+                    f"artifact {key[:12]}: leased by {names}; stop those workers or use `hwr rm --force`"
+                )
+        freed = store.delete(key)
+    return pb.DeleteArtifactReply(bytes_freed=freed)

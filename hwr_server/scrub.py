@@ -10,17 +10,25 @@ The rate is an average: after verifying an artifact of N bytes the thread
 waits N / rate seconds before the next one, so the scrub takes at most that
 share of the disk's bandwidth over time. A full pass is followed by a pause of
 at least ``MIN_PASS_INTERVAL_S``.
+
+Deep verification on demand is paced too: :class:`ReportedVerify` runs the
+verification a worker's ReportCorruption asks for at most once at a time per
+key, shares it among concurrent reports, and reuses its result for
+``report_verify_interval_s`` (any runtime client may call it, and a full
+re-hash costs the node's disk and CPU what the artifact weighs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+from typing import Any, Callable, Protocol
 
 from hwr_client.core.errors import DataLoss, FailedPrecondition, NotFound
 from hwr_server.config import ServerConfig
-from hwr_server.interfaces import Pins, ScrubStore
+from hwr_server.interfaces import Pins, ScrubStore, VerifyOutcome
 
 log = logging.getLogger(__name__)
 
@@ -159,3 +167,115 @@ class Scrubber:
             "hwr_scrub_passes_total": self.passes_total,
             "hwr_scrub_rate_bytes_per_second": self.rate,
         }
+
+
+# -- verification on a worker's report -------------------------------------------------
+
+
+class ReportStore(Protocol):
+    """What :class:`ReportedVerify` needs of the store."""
+
+    def get(self, key: str) -> tuple[Any, list[str]]: ...
+    def verify(self, key: str) -> VerifyOutcome: ...
+    def quarantine(self, key: str, reason: str, *, bad_blobs: tuple[str, ...] = ()) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportOutcome:
+    """What a verification on report found: whether it quarantined the
+    artifact, every problem, and whether this caller shared a verification
+    another report started (or one that ended less than the interval ago)."""
+
+    quarantined: bool
+    problems: tuple[str, ...]
+    shared: bool = False
+
+
+class _Flight:
+    """One verification in progress; its reports wait on ``done``."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.outcome: ReportOutcome | None = None
+        self.error: BaseException | None = None
+
+
+class ReportedVerify:
+    """ReportCorruption's deep verification, throttled per key: at most one
+    in flight (concurrent reports wait for it and share its result), and
+    after one ends its result answers reports of the same published artifact
+    for ``interval_s`` seconds instead of a new re-hash.
+
+    Args:
+        store: the store (``get``, ``verify``, ``quarantine``).
+        interval_s: ``ServerConfig.report_verify_interval_s``; 0 re-verifies
+            on every report that is not concurrent with another.
+        clock: monotonic seconds (a seam for tests).
+    """
+
+    def __init__(self, store: ReportStore, interval_s: float, *, clock: Callable[[], float] = time.monotonic):
+        self.store = store
+        self.interval_s = float(interval_s)
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._flights: dict[str, _Flight] = {}
+        #: key -> (manifest object verified, when it ended, outcome): a
+        #: republished artifact is a new manifest object and is verified anew.
+        self._recent: dict[str, tuple[object, float, ReportOutcome]] = {}
+        self.verifications_total = 0
+        self.shared_total = 0
+
+    def report(self, key: str) -> ReportOutcome:
+        """Verifies ``key`` (or shares a verification of it) and quarantines
+        it if it is corrupt.
+
+        Raises:
+            NotFound / FailedPrecondition: not published, or quarantined
+                already (from the store).
+        """
+        manifest, _ = self.store.get(key)
+        with self._lock:
+            recent = self._recent.get(key)
+            if recent is not None and recent[0] is manifest and self.clock() - recent[1] < self.interval_s:
+                self.shared_total += 1
+                return dataclasses.replace(recent[2], shared=True)
+            flight = self._flights.get(key)
+            leader = flight is None
+            if flight is None:
+                flight = self._flights[key] = _Flight()
+        if not leader:
+            # Waits for the verification another report started: one re-hash
+            # answers every report that arrives while it runs.
+            flight.done.wait()
+            with self._lock:
+                self.shared_total += 1
+            if flight.error is not None:
+                raise flight.error
+            assert flight.outcome is not None
+            return dataclasses.replace(flight.outcome, shared=True)
+        try:
+            flight.outcome = self._verify(key)
+            return flight.outcome
+        except BaseException as exc:
+            flight.error = exc
+            raise
+        finally:
+            with self._lock:
+                del self._flights[key]
+                now = self.clock()
+                self._recent = {k: v for k, v in self._recent.items() if now - v[1] < self.interval_s}
+                if flight.outcome is not None and self.interval_s > 0:
+                    self._recent[key] = (manifest, now, flight.outcome)
+            # Only after the result is recorded: a waiter woken earlier could
+            # find neither the flight nor the result and verify again.
+            flight.done.set()
+
+    def _verify(self, key: str) -> ReportOutcome:
+        with self._lock:
+            self.verifications_total += 1
+        result = self.store.verify(key)
+        if result.ok:
+            log.info("report: artifact %s verified intact (%d bytes re-hashed)", key[:12], result.bytes_checked)
+            return ReportOutcome(False, ())
+        self.store.quarantine(key, "reported-corrupt", bad_blobs=tuple(result.bad_blobs))
+        return ReportOutcome(True, tuple(result.problems))

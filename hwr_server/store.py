@@ -32,7 +32,8 @@ from hwr_client.core.manifest import Manifest
 from hwr_server import commit
 from hwr_server.commit import dir_bytes
 from hwr_server.config import ServerConfig
-from hwr_server.recovery import RecoveryReport, recover, verify_artifact
+from hwr_server.scrub import ReportedVerify
+from hwr_server.recovery import RecoveryReport, Untrusted, open_stored, read_stored, recover, verify_artifact
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,9 @@ class Store:
         self._publication_seconds = 0.0
         self._verify_failures = 0
         self.last_recovery: RecoveryReport | None = None
+        #: ReportCorruption's verifications: one per key at a time, a result
+        #: reused for ``report_verify_interval_s`` (see ReportedVerify).
+        self.reports = ReportedVerify(self, config.report_verify_interval_s)
 
     # -- paths ----------------------------------------------------------------
 
@@ -197,12 +201,18 @@ class Store:
     def manifest_json(self, key: str) -> str:
         """The manifest.json text as stored (raises like :meth:`get`)."""
         self.get(key)
+        what = f"artifact {key[:12]} manifest"
         try:
-            with open(os.path.join(self.artifact_dir(key), MANIFEST), encoding="utf-8") as f:
-                return f.read()
+            # Bounded and never through a link: recovery checked this file,
+            # but the store's directory is not the daemon's alone.
+            raw = read_stored(os.path.join(self.artifact_dir(key), MANIFEST), what=what,
+                              limit=self.config.max_stored_manifest_bytes)
         except FileNotFoundError:
             # Deleted (rm, GC) between the index check and the open.
             raise NotFound(f"artifact {key[:12]}: removed while being read; expected a published identity key") from None
+        except Untrusted as exc:
+            raise FailedPrecondition(f"{exc}; run `hwr verify {key[:12]}` or restart the daemon to quarantine it") from None
+        return raw.decode("utf-8")
 
     def contains(self, key: str) -> bool:
         with self._lock:
@@ -351,20 +361,32 @@ class Store:
                         pass
 
     def install_blob(self, key: str, staged: str, digest: str, size: int) -> bool:
-        """Moves a finished, fsynced staging file to blobs/ (or drops it when
-        an intact blob of that digest exists). Returns True if moved."""
+        """Moves a finished, fsynced staging file to blobs/<digest>. When a
+        blob of that digest is already there it is reused only if its bytes
+        equal the staged copy's, which were just hashed to ``digest``: a
+        stored copy that rotted (same size, other bytes) is replaced by the
+        fresh one, never trusted by its name and size alone.
+
+        Returns:
+            True if the staged file was moved into blobs/ (the caller's
+            cleanup unlinks it on a failure before the publish point).
+        """
         dest = self.blob_path(digest)
+        # Outside the lock: comparing may read gigabytes, and every lookup,
+        # lease and commit waits on the lock. The inode compared is checked
+        # again under the lock below.
+        same = _same_bytes(dest, staged, size)
         with self._lock:
             self._pending_blobs.setdefault(key, set()).add(digest)
-            try:
-                existing = os.lstat(dest).st_size
-            except FileNotFoundError:
-                existing = None
-            if existing == size and digest not in self._bad_blobs:
+            if same is not None and digest not in self._bad_blobs and _identity_of(dest) == same:
                 os.unlink(staged)
                 return False
+            if os.path.lexists(dest):
+                log.warning("blob %s: the stored copy differs from the bytes just published and hashed; "
+                            "replaced by them (artifact %s)", digest[:12], key[:12])
             os.chmod(staged, 0o444)
-            # rename is atomic: readers see the old blob or the whole new one.
+            # rename is atomic: readers see the old blob or the whole new one,
+            # and a process that maps the old inode keeps its bytes.
             os.rename(staged, dest)
             self._bad_blobs.discard(digest)
             return True
@@ -462,7 +484,7 @@ class Store:
         return self.config.hash_threads or os.cpu_count() or 1
 
     def quarantine(self, key: str, reason: str, *, bad_blobs: tuple[str, ...] = (),
-                   manifest: Manifest | None = None) -> str:
+                   manifest: Manifest | None = None, blobs: tuple[str, ...] = ()) -> str:
         """Moves a published artifact to quarantine/<key>.<reason>.<ts>/,
         together with its corrupt blobs and the blobs no other artifact uses
         (the sequence is :func:`hwr_server.commit.quarantine`).
@@ -470,6 +492,8 @@ class Store:
         Args:
             manifest: the artifact's manifest when it is not in the index
                 (recovery), so its exclusive blobs move along.
+            blobs: without a manifest, the blobs it may reference (recovery
+                found them in a manifest that did not parse).
 
         Returns:
             The quarantine entry name.
@@ -477,7 +501,7 @@ class Store:
         Raises:
             NotFound: the key is not published.
         """
-        return commit.quarantine(self, key, reason, bad_blobs=bad_blobs, manifest=manifest)
+        return commit.quarantine(self, key, reason, bad_blobs=bad_blobs, manifest=manifest, blobs=blobs)
 
     def delete(self, key: str) -> int:
         """Unpublishes an artifact and unlinks its blobs that no other
@@ -502,9 +526,11 @@ class Store:
             parts = name.split(".")
             key, reason = parts[0], (parts[1] if len(parts) > 2 else "unknown")
             try:
-                with open(os.path.join(self.quarantine_dir, name, "artifact", MANIFEST), "rb") as f:
-                    m = Manifest.from_json(f.read())
-                out.append(summary_of(m, "quarantined", reason=reason, entry=name))
+                # read_stored: a quarantined manifest is whatever failed the
+                # checks (a link to a FIFO or to /dev/zero among them).
+                raw = read_stored(os.path.join(self.quarantine_dir, name, "artifact", MANIFEST),
+                                  what=f"quarantine/{name} manifest", limit=self.config.max_stored_manifest_bytes)
+                out.append(summary_of(Manifest.from_json(raw), "quarantined", reason=reason, entry=name))
             except Exception:  # noqa: BLE001 - a corrupt manifest is why it is here
                 out.append(ArtifactSummary(key, "quarantined", reason=reason, entry=name))
         return out
@@ -524,6 +550,38 @@ class Store:
                 bytes_published=sum({f.blob: f.size for m in self._index.values() for f in m.files}.values()),
                 bytes_quarantined=quarantined_bytes, bytes_staging=staging_bytes,
             )
+
+
+#: Bytes compared at a time when a publication's blob is already stored.
+_COMPARE_BYTES = 1 << 20
+
+
+def _identity_of(path: str) -> tuple[int, int] | None:
+    """(device, inode) of ``path`` itself (not a link's target), or None."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _same_bytes(stored: str, staged: str, size: int) -> tuple[int, int] | None:
+    """(device, inode) of ``stored`` when it is a regular file of ours whose
+    ``size`` bytes equal ``staged``'s; None otherwise (missing, a link, another
+    size or other bytes)."""
+    try:
+        fd, st = open_stored(stored, what=f"blob {os.path.basename(stored)[:12]}")
+    except (FileNotFoundError, Untrusted):
+        return None
+    with os.fdopen(fd, "rb", buffering=0) as a, open(staged, "rb", buffering=0) as b:
+        if st.st_size != size:
+            return None
+        while True:
+            x, y = a.read(_COMPARE_BYTES), b.read(_COMPARE_BYTES)
+            if x != y:
+                return None
+            if not x:
+                return st.st_dev, st.st_ino
 
 
 def _check_entry(name: str) -> None:

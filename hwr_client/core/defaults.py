@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from typing import Mapping
 
-from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 
 #: gRPC message limit on both sides: a 4 MiB payload chunk plus framing, and
 #: large manifests.
@@ -63,7 +64,11 @@ def human(n: float) -> str:
 
 def default_paths(uid: int | None = None, env: Mapping[str, str] | None = None) -> tuple[str, str, str]:
     """(root, socket, admin socket) defaults: system paths for root, the
-    XDG data/runtime directories for a normal user."""
+    XDG data/runtime directories for a normal user.
+
+    Without ``XDG_RUNTIME_DIR`` the sockets go under ``/tmp/hwr-<uid>-run/``,
+    a name anyone can predict and pre-create: the daemon and a client that
+    uses these defaults check it with :func:`check_trusted_dir` first."""
     uid = os.getuid() if uid is None else uid
     env = os.environ if env is None else env  # read at call time, never at import
     if uid == 0:
@@ -71,3 +76,96 @@ def default_paths(uid: int | None = None, env: Mapping[str, str] | None = None) 
     data = env.get("XDG_DATA_HOME") or os.path.join(env.get("HOME", f"/tmp/hwr-{uid}"), ".local", "share")
     run = env.get("XDG_RUNTIME_DIR") or f"/tmp/hwr-{uid}-run"
     return os.path.join(data, "hwr"), os.path.join(run, "hwr", "hwr.sock"), os.path.join(run, "hwr", "admin.sock")
+
+
+#: Symbolic links followed while checking one path before giving up (the
+#: kernel's own limit, ELOOP).
+_MAX_LINKS = 40
+
+
+def check_trusted_dir(path: str, *, uid: int | None = None) -> None:
+    """Refuses a directory that a user other than root and ``uid`` could
+    change: where a socket or lock file lives, anyone who can rename or
+    create entries in it (or in any directory above it) can swap the socket
+    for an impostor's or plant a symbolic link that the daemon then writes
+    through.
+
+    The rule is OpenSSH's ``safe_path`` and systemd's: every directory from
+    ``/`` down to ``path`` is owned by root or ``uid`` and is not writable by
+    group or others, except a sticky directory (``/tmp``), where others may
+    create entries but never rename or remove ours (the next component's
+    owner is then checked in turn). A symbolic link on the way must itself
+    be owned by root or ``uid``; its target is checked the same way. The walk
+    stops at the first component that does not exist: nothing is there to
+    trust yet, and whoever creates it (the daemon, 0700) is checked next
+    time.
+
+    Args:
+        path: the directory (absolute or relative to the working directory).
+        uid: the user it must be safe for; default the effective uid.
+
+    Raises:
+        FailedPrecondition: naming the component, its owner and mode, and
+            the fix.
+
+    Example:
+        >>> check_trusted_dir("/run/hwr")  # doctest: +SKIP
+    """
+    uid = os.geteuid() if uid is None else uid
+    pending = [p for p in os.path.abspath(path).split("/") if p]
+    resolved: list[str] = []  # the components walked so far, no link among them
+    _check_component("/", os.lstat("/"), uid, path)
+    links = 0
+    while pending:
+        name = pending.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            # `resolved` holds no link, so ".." is its lexical parent.
+            if resolved:
+                resolved.pop()
+            continue
+        here = "/" + "/".join(resolved + [name])
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            links += 1
+            if links > _MAX_LINKS:
+                raise FailedPrecondition(f"directory {path}: more than {_MAX_LINKS} symbolic links on the way")
+            _check_owner(here, st, uid, path, "symbolic link")
+            target = os.readlink(here)
+            if target.startswith("/"):
+                resolved = []
+            pending = [p for p in target.split("/") if p] + pending
+            continue
+        _check_component(here, st, uid, path)
+        resolved.append(name)
+
+
+def _where(here: str, path: str, kind: str = "directory") -> str:
+    """Names ``here`` in a message: the directory itself or one on its way."""
+    if here == os.path.abspath(path):
+        return f"{kind} {here}"
+    return f"directory {path}: {kind} {here} on its way"
+
+
+def _check_owner(here: str, st: os.stat_result, uid: int, path: str, kind: str) -> None:
+    if st.st_uid not in (0, uid):
+        raise FailedPrecondition(
+            f"{_where(here, path, kind)} is owned by uid {st.st_uid}, expected root or uid {uid}; "
+            "another user could replace what is in it. Remove it, or set XDG_RUNTIME_DIR or the socket "
+            "path to a directory of your own (mode 0700)"
+        )
+
+
+def _check_component(here: str, st: os.stat_result, uid: int, path: str) -> None:
+    if not stat.S_ISDIR(st.st_mode):
+        raise FailedPrecondition(f"{_where(here, path)} is not a directory ({stat.filemode(st.st_mode)})")
+    _check_owner(here, st, uid, path, "directory")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise FailedPrecondition(
+            f"{_where(here, path)} (mode {stat.S_IMODE(st.st_mode):04o}) is writable by group or others, "
+            "who could replace what is in it; expected no group/other write (e.g. chmod 0700 or 0750)"
+        )
