@@ -178,6 +178,7 @@ class ReportStore(Protocol):
     def get(self, key: str) -> tuple[Any, list[str]]: ...
     def verify(self, key: str) -> VerifyOutcome: ...
     def quarantine(self, key: str, reason: str, *, bad_blobs: tuple[str, ...] = ()) -> str: ...
+    def quarantined(self, key: str) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,11 +230,25 @@ class ReportedVerify:
         """Verifies ``key`` (or shares a verification of it) and quarantines
         it if it is corrupt.
 
+        A report of an artifact that is quarantined already (by a report
+        whose verification just ended, by scrub or by ``hwr verify``) answers
+        "quarantined" without a re-hash: what the reporter asked for is done.
+        Without this, a report arriving just after a shared verification
+        quarantined the artifact would get FAILED_PRECONDITION while the
+        reports before it heard "quarantined".
+
         Raises:
-            NotFound / FailedPrecondition: not published, or quarantined
-                already (from the store).
+            NotFound: not published and not quarantined.
         """
-        manifest, _ = self.store.get(key)
+        try:
+            manifest, _ = self.store.get(key)
+        except FailedPrecondition:
+            entry = self.store.quarantined(key)
+            if entry is None:
+                raise
+            with self._lock:
+                self.shared_total += 1
+            return ReportOutcome(True, (f"quarantined already ({entry.reason}) in quarantine/{entry.entry}",), shared=True)
         with self._lock:
             recent = self._recent.get(key)
             if recent is not None and recent[0] is manifest and self.clock() - recent[1] < self.interval_s:
