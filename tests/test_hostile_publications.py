@@ -270,8 +270,8 @@ def _zero_byte_plan(tag: str, shape: list[int]) -> pb.PublishPlan:
         pb.FilePlan(name="f", tensors=[pb.TensorPlan(name="w", dtype="U8", shape=shape)])])
 
 
-@pytest.mark.parametrize("shape", [[2**64 - 1, 0], [2**63, 0], [2**62, 2**62, 0]],
-                         ids=["2^64-1", "2^63", "product"])
+@pytest.mark.parametrize("shape", [[2**64 - 1, 0], [2**63, 0], [2**62, 2**62, 0], [0, 2**62, 2**62]],
+                         ids=["2^64-1", "2^63", "product", "product-after-zero"])
 def test_shape_beyond_int64_is_invalid_at_plan(limited, shape):
     with limited.client() as client:
         code, details = raw_publish(client, [pb.PublishRequest(plan=_zero_byte_plan(f"dim-{shape}", shape)), COMMIT])
@@ -571,6 +571,15 @@ def test_reserved_bytes_per_peer_boundary(tmp_path):
         for p in first:
             p.close()
     assert store.publication_peers.held(A.key) == (0, 0)
+    # One byte less of room: the third is refused.
+    tight = _store(tmp_path / "t", max_publications=8, max_publications_per_peer=8, peer_reserved_bytes=3 * one - 1)
+    two = [_begin(tight, f"a{i}", A) for i in range(2)]
+    try:
+        with pytest.raises(ResourceExhausted, match="peer_reserved_bytes"):
+            _begin(tight, "a2", A)
+    finally:
+        for p in two:
+            p.close()
     # A first publication may be larger than the per-peer cap (the capacity check decides).
     small = _store(tmp_path / "s", peer_reserved_bytes=1)
     _begin(small, "big", A).close()
