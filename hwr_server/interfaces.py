@@ -28,6 +28,7 @@ from typing import ContextManager, Mapping, Protocol, Sequence
 
 from hwr_client.core.manifest import Manifest
 
+
 class CapacityHook(Protocol):
     """Called with a publication's payload bytes before they are reserved;
     raises ResourceExhausted when they cannot fit.

@@ -132,7 +132,8 @@ class Store:
         self.quarantine_dir = os.path.join(self.root, "quarantine")
         for d in (self.blobs_dir, self.artifacts_dir, self.staging_dir, self.quarantine_dir):
             os.makedirs(d, mode=0o755, exist_ok=True)
-        #: callable(nbytes) run at publication plan; raises ResourceExhausted.
+        #: hook(nbytes, evict=, who=) run at publication plan (a dry run) and
+        #: at its first payload chunk; raises ResourceExhausted.
         #: The daemon's wiring sets it once, before recovery, to the
         #: collector's hook (which collects first, then calls this default).
         self.capacity_hook: CapacityHook = self.default_capacity_hook
