@@ -90,6 +90,37 @@ class ServerConfig:
     #: flight, and within this many seconds after it ended they get its
     #: result instead of re-hashing the artifact. Seconds; default 60.
     report_verify_interval_s: float = 60.0
+    # -- hardening, part "pubs": publication limits and idle publications ----
+    # Checked at plan, before anything is built or staged; a refusal names the
+    # limit, the value and the field. RESOURCE_EXHAUSTED unless noted.
+    #: Tensors of one artifact (padding not counted). Count. Real FLUX, Wan
+    #: and LLM checkpoints have at most ~10k; one tensor costs the daemon
+    #: about 2 KiB while its publication runs.
+    max_artifact_tensors: int = 65536
+    #: Payload files of one artifact. Count. Real checkpoints have <= ~200.
+    max_artifact_files: int = 1024
+    #: Longest tensor name or block prefix, UTF-8 bytes; INVALID_ARGUMENT.
+    #: At most 1024 (the format's own rule; a larger value means 1024).
+    max_tensor_name_bytes: int = 1024
+    #: Dimensions of one tensor. Count; INVALID_ARGUMENT. Real weights have <= 5.
+    max_tensor_dims: int = 8
+    #: safetensors header of one payload file, bytes (~60 bytes + the name
+    #: per tensor: 10k tensors take ~1.5 MB). At most 100 MB, the parser's limit.
+    max_header_bytes: int = 16 * 1024 * 1024
+    #: Manifest JSON of one artifact, bytes (~300 bytes + the name per
+    #: tensor). At most 48 MiB, so Lookup and AcquireLease can always send it
+    #: in one 64 MiB gRPC message.
+    max_manifest_bytes: int = 32 * 1024 * 1024
+    #: A publication that receives no message for this long ends ABORTED: its
+    #: staging removed, its slot and reservation freed. Seconds; 0 = never.
+    publication_idle_s: float = 60.0
+    #: Publications one peer runs at once; its next waits for one of its own
+    #: to end, holding no global slot. Count (at most max_publications).
+    max_publications_per_peer: int = 2
+    #: Bytes a peer's publications may reserve together once it has one in
+    #: flight (its first may be as large as capacity allows). Bytes; 0 = half
+    #: of ``capacity``, or half of the disk without one.
+    peer_reserved_bytes: int = 0
 
     def resolved(self) -> "ServerConfig":
         """A copy with empty paths filled from :func:`default_paths`."""

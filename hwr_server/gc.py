@@ -326,11 +326,24 @@ class Collector:
                  result.usage_after, gc_plan.target_bytes)
         return result
 
-    def capacity_hook(self, nbytes: int) -> None:
-        """Called by the store at publication plan, before any payload.
+    def capacity_hook(self, nbytes: int, *, evict: bool = True, who: str = "") -> None:
+        """Called by a publication: at plan with ``evict=False``, at its first
+        payload chunk with ``evict=True``.
 
-        Collects if the new bytes would cross the high watermark; raises if
-        they still cannot fit, without deleting anything in that case.
+        The eviction policy: a publication may make the collector delete
+        unleased artifacts only once its payload has started to arrive (a
+        plan that is cancelled or left idle costs no other artifact), only
+        when its bytes would cross the high watermark, and only if they then
+        fit (nothing is deleted for a publication that cannot fit anyway).
+        It collects down to the low watermark, as every collection does
+        (hysteresis, so the next publication does not collect again), least
+        recently leased first, never a leased artifact; the log names the
+        publication and its peer (``who``).
+
+        The dry run (``evict=False``) refuses what cannot fit even after
+        collecting and otherwise returns, deleting nothing; the store's own
+        check (capacity, disk space) then runs unless room is still to be
+        made, in which case it runs after the collection at the first chunk.
 
         Raises:
             ResourceExhausted: the publication cannot fit within capacity.
@@ -338,20 +351,27 @@ class Collector:
         cap = self.capacity
         if cap > 0:
             with self._run_lock:
-                self._make_room(int(nbytes), cap)
+                if self._make_room(int(nbytes), cap, evict=evict, who=who or "a publication") and not evict:
+                    return  # fits once collected; the store's check runs after that collection
         self._fallback_hook(nbytes)  # the store's own check (disk free space)
 
-    def _make_room(self, nbytes: int, cap: int) -> None:
-        what = f"publication of {nbytes} bytes"
+    def _make_room(self, nbytes: int, cap: int, *, evict: bool, who: str) -> bool:
+        """Collects (``evict``) or checks that collecting would make room.
+
+        Returns:
+            True when room had to be made (collected, or still to collect
+            when not ``evict``); False when the bytes fit as things are.
+        """
+        what = f"{who}: {nbytes} bytes"
         if nbytes > cap:
             raise ResourceExhausted(f"{what}: larger than the store capacity {cap} bytes; raise `capacity`")
         snap = self.snapshot()
         if snap.usage + nbytes <= self.high_bytes:
-            return
+            return False
         deferred = self.deferred_reason()
         if deferred:
             if snap.usage + nbytes <= cap:
-                return  # fits; collect after the grace period
+                return False  # fits; collect after the grace period
             raise ResourceExhausted(f"{what}: usage {snap.usage} + {nbytes} exceeds capacity {cap} bytes and "
                                     f"GC cannot run yet ({deferred}); retry later")
         gc_plan = plan(snap, target_bytes=max(0, self.low_bytes - nbytes), pinned=self.pinned())
@@ -360,10 +380,16 @@ class Collector:
                 f"{what}: usage {snap.usage} bytes ({snap.usage - gc_plan.bytes_freed} leased, in flight or "
                 f"still mapped) + {nbytes} exceeds capacity {cap} bytes even after collecting; release "
                 f"leases or raise `capacity`")
+        if not evict:
+            log.info("gc: %s fits once %d bytes are collected; collecting when its payload arrives", what,
+                     gc_plan.bytes_freed)
+            return True
+        log.info("gc: collecting %d bytes in %d items for %s", gc_plan.bytes_freed, len(gc_plan.items), what)
         result = self._execute(gc_plan, why=what)
         if result.usage_after + nbytes > cap:
             raise ResourceExhausted(f"{what}: usage {result.usage_after} + {nbytes} bytes exceeds capacity "
                                     f"{cap} bytes after collecting (leases arrived meanwhile); retry later")
+        return True
 
     # -- background thread -------------------------------------------------------------
 

@@ -24,13 +24,22 @@ Seams::
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager, Mapping, Protocol, Sequence
+from typing import ContextManager, Mapping, Protocol, Sequence
 
 from hwr_client.core.manifest import Manifest
 
-#: Called with a publication's payload bytes at plan time, before anything is
-#: written; raises ResourceExhausted when they cannot fit.
-CapacityHook = Callable[[int], None]
+
+class CapacityHook(Protocol):
+    """Called with a publication's payload bytes before they are reserved;
+    raises ResourceExhausted when they cannot fit.
+
+    ``evict=False`` (at plan) is a dry run: it refuses what cannot fit even
+    after collecting, and deletes nothing. ``evict=True`` (at the first
+    payload chunk) may collect unleased artifacts to make room. ``who``
+    names the publication and its peer in the log of what was collected.
+    """
+
+    def __call__(self, nbytes: int, *, evict: bool = True, who: str = "") -> None: ...
 
 
 # -- records the seams exchange ---------------------------------------------------

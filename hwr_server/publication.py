@@ -17,24 +17,45 @@ manifest, the rename into artifacts/, its fsync, the index), and only then
 the reply. Any failure before the publish point leaves nothing visible and
 removes the staging directory and the blobs this attempt moved.
 
+Limits (DESIGN §16), each a ServerConfig field: the plan's counts are
+checked on the wire message before any object is built from it, its exact
+header and manifest sizes before anything is staged (:func:`plan_limits`);
+a peer runs at most ``max_publications_per_peer`` publications and, beyond
+its first, reserves at most ``peer_reserved_bytes`` (:class:`PeerShares`);
+a publication that receives nothing for ``publication_idle_s`` ends ABORTED
+(:class:`RequestPump`). Payload files are opened lazily, a few at a time, so
+a plan of many files holds few descriptors; running out of descriptors is
+RESOURCE_EXHAUSTED.
+
+What a publication may evict (finding 16 of the hardening issue): nothing
+before its first payload chunk. At plan the capacity check is a dry run: a
+plan that cannot fit even after collecting is refused at once, one that
+fits only after collecting is accepted and nothing is deleted yet; its
+space is preallocated, after the collection it needs, when its first chunk
+arrives, so a plan cancelled or left idle costs no other artifact. The
+collector logs every such collection with the peer and the publication.
+
 The hashers live in :mod:`hwr_server.hashing` (deep verification uses them too).
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import errno
 import logging
 import os
+import queue
 import shutil
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
-
+from typing import Any, Callable, Iterator
 
 from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.defaults import MAX_MESSAGE_BYTES
 from hwr_client.core.errors import (
     Aborted,
     FailedPrecondition,
@@ -45,13 +66,189 @@ from hwr_client.core.errors import (
     ResourceExhausted,
 )
 from hwr_client.core.manifest import build_manifest
-from hwr_client.core.plan import CheckedPlan, check_plan, from_proto
+from hwr_client.core.layout import MAX_HEADER_BYTES
+from hwr_client.core.plan import CheckedPlan, PlanLimits, check_plan, check_plan_message, check_plan_sizes, from_proto
 from hwr_server import commit as durable
 from hwr_server.hashing import WholeHasher, _Stage, parts_from_plan, readback, set_native_thread_name
+from hwr_server.peers import ANONYMOUS, Peer
 
 log = logging.getLogger(__name__)
 
 _HEX_DIGITS = "0123456789abcdef"
+#: Payload files a publication keeps open at once (unordered mode: the most
+#: recently written; ordered mode needs one). More are reopened by path, so a
+#: plan of a thousand files never holds a thousand descriptors.
+MAX_OPEN_FILES = 8
+#: Finished files (ordered mode) whose background fsync may be pending, each
+#: holding its descriptor until fsynced; the writer waits beyond that.
+MAX_PENDING_FSYNCS = 8
+#: The largest manifest ever published, whatever the config says: it must
+#: fit one gRPC message (Lookup, AcquireLease) with room for the reply's
+#: other fields.
+MANIFEST_CEILING_BYTES = MAX_MESSAGE_BYTES * 3 // 4
+#: The largest tensor name the format allows (layout.check_tensor_name).
+NAME_CEILING_BYTES = 1024
+
+
+def plan_limits(config: Any) -> PlanLimits:
+    """The plan limits of a ServerConfig, each capped by what the format and
+    the wire allow (a config asking for more gets the ceiling)."""
+    return PlanLimits(
+        max_artifact_tensors=int(config.max_artifact_tensors),
+        max_artifact_files=int(config.max_artifact_files),
+        max_tensor_name_bytes=min(int(config.max_tensor_name_bytes), NAME_CEILING_BYTES),
+        max_tensor_dims=int(config.max_tensor_dims),
+        max_header_bytes=min(int(config.max_header_bytes), MAX_HEADER_BYTES),
+        max_manifest_bytes=min(int(config.max_manifest_bytes), MANIFEST_CEILING_BYTES),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Admission: per-peer shares and the idle deadline
+# ---------------------------------------------------------------------------
+
+
+class PeerShares:
+    """Per-peer publication accounting (DESIGN §16), keyed by ``Peer.key``:
+    the slots each peer's publications hold and the bytes they reserved.
+    Thread-safe; one per store."""
+
+    def __init__(self) -> None:
+        #: Guards both maps; notified when a slot is released.
+        self._cond = threading.Condition()
+        self._slots: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}
+
+    def acquire_slot(self, peer: str, cap: int, is_active: Callable[[], bool], what: str) -> None:
+        """Waits until ``peer`` holds fewer than ``cap`` slots, then takes one.
+
+        A peer over its share waits for one of its OWN publications to end,
+        holding no global slot meanwhile, so it cannot keep others waiting.
+
+        Raises:
+            InvalidArgument: the caller went away while waiting.
+        """
+        with self._cond:
+            while self._slots.get(peer, 0) >= cap:
+                # A timed wait: a caller that left must be noticed even when
+                # no slot is released.
+                self._cond.wait(timeout=0.5)
+                if not is_active():
+                    raise InvalidArgument(f"{what}: caller went away while waiting for one of its "
+                                          f"{cap} publication slots (max_publications_per_peer)")
+            self._slots[peer] = self._slots.get(peer, 0) + 1
+
+    def release_slot(self, peer: str) -> None:
+        """Returns a slot taken by :meth:`acquire_slot`."""
+        with self._cond:
+            left = self._slots.get(peer, 0) - 1
+            if left > 0:
+                self._slots[peer] = left
+            else:
+                self._slots.pop(peer, None)
+            self._cond.notify_all()
+
+    def reserve(self, peer: str, nbytes: int, cap: int, what: str) -> None:
+        """Adds ``nbytes`` to what ``peer`` has reserved, unless it already
+        reserves something and the sum would exceed ``cap``: a peer's first
+        publication may be as large as capacity allows (the capacity check
+        decides), but it cannot hold more than ``cap`` bytes in several.
+
+        Raises:
+            ResourceExhausted: naming the peer's figures and the config field.
+        """
+        with self._cond:
+            held = self._bytes.get(peer, 0)
+            if held and held + nbytes > cap:
+                raise ResourceExhausted(
+                    f"{what}: {nbytes} bytes on top of the {held} bytes the peer's other publications reserve "
+                    f"exceeds the per-peer limit {cap} bytes (ServerConfig.peer_reserved_bytes); finish or "
+                    "cancel those first"
+                )
+            self._bytes[peer] = held + nbytes
+
+    def unreserve(self, peer: str, nbytes: int) -> None:
+        """Returns bytes added by :meth:`reserve`."""
+        with self._cond:
+            left = self._bytes.get(peer, 0) - nbytes
+            if left > 0:
+                self._bytes[peer] = left
+            else:
+                self._bytes.pop(peer, None)
+
+    def held(self, peer: str) -> tuple[int, int]:
+        """(slots, reserved bytes) ``peer`` holds now."""
+        with self._cond:
+            return self._slots.get(peer, 0), self._bytes.get(peer, 0)
+
+
+class RequestPump:
+    """Reads a request stream on its own thread, so the handler can wait for
+    the next message with a deadline (grpc's request iterator has none).
+
+    At most one message waits in the hand-over queue and one in the reader's
+    hand: memory stays bounded and a fast sender is throttled as before. The
+    reader ends by itself once the call ends (grpc then ends the iterator).
+
+    Args:
+        requests: the rpc's request iterator.
+        idle_s: longest wait for a message, seconds; 0 = no deadline.
+        what: names the publication in the Aborted error.
+    """
+
+    _END = object()
+
+    def __init__(self, requests: Iterator[Any], *, idle_s: float, what: str):
+        self.idle_s = idle_s
+        self.what = what
+        self._q: queue.Queue = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(requests,), name="hwr-pub-reader", daemon=True)
+        self._thread.start()
+
+    def _read(self, requests: Iterator[Any]) -> None:
+        try:
+            for req in requests:
+                if not self._put(req):
+                    return
+            self._put(self._END)
+        except BaseException as exc:  # noqa: BLE001 - handed to the handler (a cancelled call, mostly)
+            self._put(exc)
+
+    def _put(self, item: object) -> bool:
+        # Timed puts: when the handler stopped taking (it failed or timed
+        # out), the reader must notice and end rather than block for ever.
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def next(self) -> Any:
+        """The next request, or None when the stream ended.
+
+        Raises:
+            Aborted: no message within ``idle_s`` (``publication_idle_s``).
+            Whatever reading the stream raised (a cancelled call).
+        """
+        try:
+            item = self._q.get(timeout=self.idle_s or None)
+        except queue.Empty:
+            raise Aborted(
+                f"{self.what}: no message for {self.idle_s:g} s (ServerConfig.publication_idle_s); the "
+                "publication is ended, its staging removed and its reservation freed; publish again"
+            ) from None
+        if item is self._END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Tells the reader to stop handing over; it exits when the call ends."""
+        self._stop.set()
 
 
 # ---------------------------------------------------------------------------
@@ -62,6 +259,10 @@ _HEX_DIGITS = "0123456789abcdef"
 def _os_error(exc: OSError, what: str) -> HwrError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return ResourceExhausted(f"{what}: the disk is full ({exc.strerror}); free space or run `hwr gc`")
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        # The daemon's (or the system's) file descriptors: a capacity, not a bug.
+        return ResourceExhausted(f"{what}: out of file descriptors ({exc.strerror}); retry when fewer "
+                                 "publications run, or raise the daemon's LimitNOFILE")
     return Internal(f"{what}: {exc.strerror or exc}")
 
 
@@ -123,21 +324,27 @@ class Publication:
     one gRPC stream drives it. :meth:`close` is idempotent and removes the
     staging directory unless the commit completed."""
 
-    def __init__(self, store: Any, checked: CheckedPlan, pub_id: str, declared_tensors: dict[str, str]):
+    def __init__(self, store: Any, checked: CheckedPlan, pub_id: str, declared_tensors: dict[str, str],
+                 peer: Peer = ANONYMOUS):
         self.store = store
         self.checked = checked
         self.key = checked.plan.identity.key
         self.pub_id = pub_id
+        self.peer = peer
         self.declared_tensors = declared_tensors
         self.already_published = False
         self.staging = ""
-        self.fds: list[int] = []
+        self.n_files = len(checked.layouts)
         self.bytes_written = 0
         self.started = time.monotonic()
         self._slot = False
+        self._peer_slot = False
+        self._reserved = 0  # bytes counted in the peer's reservation
         self._claimed = False
+        self._allocated = False  # files preallocated (at the first chunk)
         self._done = False
         self._counted = False
+        self._open_fds: collections.OrderedDict[int, int] = collections.OrderedDict()  # file -> fd, LRU order
         self._synced: set[int] = set()
         self._moved: list[str] = []  # blobs this attempt moved into blobs/
         self._cur = 0  # ordered: current file and data-region position
@@ -153,26 +360,44 @@ class Publication:
     # -- plan -------------------------------------------------------------------
 
     @classmethod
-    def begin(cls, store: Any, msg: pb.PublishPlan, *, is_active: Callable[[], bool] = lambda: True) -> "Publication":
-        """Validates a plan, claims its key, checks capacity, creates staging.
+    def begin(cls, store: Any, msg: pb.PublishPlan, *, peer: Peer = ANONYMOUS,
+              is_active: Callable[[], bool] = lambda: True) -> "Publication":
+        """Validates a plan, claims its key, takes the peer's and a global
+        slot, reserves its bytes, checks capacity (without collecting),
+        creates staging and writes the headers.
+
+        Args:
+            store: the store it publishes into.
+            msg: the wire plan.
+            peer: who asks; per-peer slots and bytes are counted by ``peer.key``.
+            is_active: False once the caller went away (ends a wait for a slot).
 
         Raises:
             InvalidArgument: bad plan. Aborted: the key is being published.
-            ResourceExhausted: capacity or disk space.
+            ResourceExhausted: a plan limit, the peer's share, capacity or
+                disk space (each names its limit).
         """
         try:
+            # Counts first, on the wire message: nothing is built from a plan
+            # over the limits (a 40 MB plan of 2.5M tensors once took 4 GB).
+            limits = plan_limits(store.config)
+            check_plan_message(msg, limits)
             checked = check_plan(from_proto(msg))
+            check_plan_sizes(checked, limits)
             declared = _declared_tensors(msg)
         except HwrError:
             store.count("rejected")
             raise
-        pub = cls(store, checked, uuid.uuid4().hex[:16], declared)
+        pub = cls(store, checked, uuid.uuid4().hex[:16], declared, peer)
         try:
             pub._open(is_active)
         except BaseException:
             pub.close()
             raise
         return pub
+
+    def _what(self) -> str:
+        return f"publication {self.pub_id} ({self.peer.key})"
 
     def _open(self, is_active: Callable[[], bool]) -> None:
         try:
@@ -184,29 +409,69 @@ class Publication:
             self.already_published = True
             return
         self._claimed = True
+        cfg, shares = self.store.config, self.store.publication_peers
+        # The peer's own share first (config.max_publications_per_peer), so a
+        # peer over it waits without holding one of the global slots.
+        shares.acquire_slot(self.peer.key, max(1, min(cfg.max_publications_per_peer, cfg.max_publications)),
+                            is_active, self._what())
+        self._peer_slot = True
         # Wait for a publication slot (config.max_publications); give up when the caller left.
         while not self.store.publication_slots.acquire(timeout=0.5):
             if not is_active():
                 raise InvalidArgument(f"publication {self.pub_id}: caller went away while waiting for a slot")
         self._slot = True
+        total = self.checked.total_bytes
         try:
-            self.store.capacity_hook(self.checked.total_bytes)
+            shares.reserve(self.peer.key, total, self._peer_byte_cap(), self._what())
+            self._reserved = total
+            # A dry run: refuses what cannot fit even after collecting, deletes
+            # nothing (a publication evicts only once its payload arrives).
+            self.store.capacity_hook(total, evict=False, who=self._what())
         except HwrError:
             self.store.count("rejected")
             self._counted = True
             raise
-        self.staging = self.store.new_staging(self.pub_id)
-        os.mkdir(os.path.join(self.staging, "artifact"), 0o755)
+        try:
+            self.staging = self.store.new_staging(self.pub_id)
+            os.mkdir(os.path.join(self.staging, "artifact"), 0o755)
+            for i, lay in enumerate(self.checked.layouts):
+                # Create each file with its header now, its descriptor closed
+                # again: a plan of many files holds none while it waits.
+                fd = os.open(self._file_path(i), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    _pwrite_all(fd, lay.header, 0)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            raise _os_error(exc, f"{self._what()} staging") from None
+        log.info("publication %s of %s for %s: %d files, %d bytes, ordered=%s", self.pub_id, self.key[:12],
+                 self.peer.key, self.n_files, total, self.checked.plan.ordered)
+
+    def _peer_byte_cap(self) -> int:
+        """config.peer_reserved_bytes, or by default half of the capacity
+        (half of the disk without one)."""
+        cfg = self.store.config
+        if cfg.peer_reserved_bytes:
+            return int(cfg.peer_reserved_bytes)
+        if cfg.capacity:
+            return int(cfg.capacity) // 2
+        st = os.statvfs(self.store.root)
+        return st.f_blocks * st.f_frsize // 2
+
+    def _allocate(self) -> None:
+        """At the first payload chunk (or a commit without one): collects
+        what capacity needs, then preallocates every file, so a full disk
+        fails here, before the payload is written, and an idle or cancelled
+        plan never cost space or another artifact."""
+        if self._allocated:
+            return
+        self._allocated = True
+        self.store.capacity_hook(self.checked.total_bytes, evict=True, who=self._what())
         for i, lay in enumerate(self.checked.layouts):
-            path = self._file_path(i)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            self.fds.append(fd)
             try:
-                # Preallocate so a full disk fails here, not in the middle of the payload.
-                os.posix_fallocate(fd, 0, lay.file_size)
-                _pwrite_all(fd, lay.header, 0)
+                os.posix_fallocate(self._fd(i), 0, lay.file_size)
             except OSError as exc:
-                raise _os_error(exc, f"publication {self.pub_id} file {i}") from None
+                raise _os_error(exc, f"{self._what()} file {i}") from None
         if self.checked.plan.ordered:
             self._stages = [
                 _Stage(lambda it: self._whole[it[0]].update(it[1]), f"hwr-sha-file-{self.pub_id[:6]}"),
@@ -214,11 +479,29 @@ class Publication:
             ]
             for s in self._stages:
                 s.start()
-        log.info("publication %s of %s: %d files, %d bytes, ordered=%s", self.pub_id, self.key[:12],
-                 len(self.fds), self.checked.total_bytes, self.checked.plan.ordered)
 
     def _file_path(self, i: int) -> str:
         return os.path.join(self.staging, f"{i:05d}.safetensors")
+
+    def _fd(self, i: int) -> int:
+        """An open descriptor of file ``i``: from the few kept open (least
+        recently used closed first), else opened again by path.
+
+        Raises:
+            OSError: from open (EMFILE: see _os_error).
+        """
+        fd = self._open_fds.get(i)
+        if fd is not None:
+            self._open_fds.move_to_end(i)
+            return fd
+        while len(self._open_fds) >= MAX_OPEN_FILES:
+            # Closing without fsync loses nothing: the commit fsyncs every
+            # file again by path, and Linux reports a writeback error to the
+            # next fsync of the file through any descriptor (errseq).
+            os.close(self._open_fds.popitem(last=False)[1])
+        fd = os.open(self._file_path(i), os.O_RDWR | os.O_CLOEXEC)
+        self._open_fds[i] = fd
+        return fd
 
     def accepted(self) -> pb.PublishAccepted:
         return pb.PublishAccepted(
@@ -231,19 +514,19 @@ class Publication:
     # -- chunks -----------------------------------------------------------------
 
     def write(self, file_index: int, offset: int, data: bytes) -> None:
-        """Writes one chunk.
+        """Writes one chunk (the first collects and preallocates, see _allocate).
 
         Raises:
             InvalidArgument: bad index/offset/size, out of order, overlap.
-            ResourceExhausted: disk full.
+            ResourceExhausted: disk full, capacity, file descriptors.
         """
         what = f"publication {self.pub_id} file {file_index}"
         if self.already_published:
             raise InvalidArgument(f"{what}: artifact {self.key[:12]} is already published; send commit without payload")
         if not data or len(data) > self.store.config.max_chunk_bytes:
             raise InvalidArgument(f"{what}: chunk of {len(data)} bytes; expected 1..{self.store.config.max_chunk_bytes}")
-        if not 0 <= file_index < len(self.fds):
-            raise InvalidArgument(f"{what}: file index out of range; the plan has {len(self.fds)} files")
+        if not 0 <= file_index < self.n_files:
+            raise InvalidArgument(f"{what}: file index out of range; the plan has {self.n_files} files")
         lay = self.checked.layouts[file_index]
         if offset + len(data) > lay.data_size:
             raise InvalidArgument(
@@ -252,14 +535,16 @@ class Publication:
             )
         if self.checked.plan.ordered:
             self._check_order(file_index, offset, what)
+            self._allocate()
             self._write_ordered(file_index, offset, data, what)
         else:
             self._coverage[file_index].add(offset, offset + len(data), what)
+            self._allocate()
             self._pwrite(file_index, offset, data, what)
         self.bytes_written += len(data)
 
     def _check_order(self, fi: int, offset: int, what: str) -> None:
-        while self._cur < len(self.fds) - 1 and self._pos == self.checked.layouts[self._cur].data_size:
+        while self._cur < self.n_files - 1 and self._pos == self.checked.layouts[self._cur].data_size:
             self._cur, self._pos = self._cur + 1, 0  # previous file complete: the next one starts
         if (fi, offset) != (self._cur, self._pos):
             raise InvalidArgument(
@@ -276,13 +561,21 @@ class Publication:
             s.q.put((fi, data))  # blocks when the hasher is behind: bounded memory
         self._pos = offset + len(data)
         if self._pos == self.checked.layouts[fi].data_size:
-            # Durability of this file proceeds in the background while the next file's bytes flow.
+            # Durability of this file proceeds in the background while the next
+            # file's bytes flow; the fsync task owns the descriptor and closes it.
             self._synced.add(fi)
-            self._fsyncs.append(self._fsync_pool.submit(os.fsync, self.fds[fi]))
+            fd = self._open_fds.pop(fi)
+            pending = [f for f in self._fsyncs if not f.done()]
+            if len(pending) >= MAX_PENDING_FSYNCS:
+                try:
+                    pending[0].result()  # each pending fsync holds a descriptor: bound them
+                except OSError as exc:
+                    raise _os_error(exc, f"{what}: fsync") from None
+            self._fsyncs.append(self._fsync_pool.submit(_fsync_close, fd))
 
     def _pwrite(self, fi: int, offset: int, data: bytes, what: str) -> None:
         try:
-            _pwrite_all(self.fds[fi], data, self.checked.layouts[fi].data_start + offset)
+            _pwrite_all(self._fd(fi), data, self.checked.layouts[fi].data_start + offset)
         except OSError as exc:
             raise _os_error(exc, what) from None
 
@@ -294,7 +587,7 @@ class Publication:
         Raises:
             InvalidArgument: missing payload or non-zero padding.
             FailedPrecondition: a declared digest does not match.
-            ResourceExhausted: disk full.
+            ResourceExhausted: disk full, or the manifest over max_manifest_bytes.
         """
         if self.already_published:
             self._done = True
@@ -310,6 +603,7 @@ class Publication:
                 ) from None
             return Committed(self.key, manifest_json, 0, True)
         self._check_complete()
+        self._allocate()  # a plan whose files hold no data bytes gets no chunk
         # Every digest (the payload fsyncs are the commit's first step).
         digests = self._digests_ordered() if self.checked.plan.ordered else self._digests_readback()
         file_digests, tensor_digests, block_xxh = digests
@@ -321,9 +615,16 @@ class Publication:
                 f"publication {self.pub_id}: content digest {manifest.content_digest}, declared "
                 f"{self.checked.plan.declared_content_digest}"
             )
+        # The plan's estimate was exact; this check makes "a manifest that
+        # cannot be served is never published" hold whatever the estimate.
+        size = len(manifest.to_json().encode("utf-8"))
+        limit = plan_limits(self.store.config).max_manifest_bytes
+        if size > limit:
+            raise ResourceExhausted(f"{self._what()}: manifest of {size} bytes exceeds the limit {limit} "
+                                    "(ServerConfig.max_manifest_bytes); split the artifact")
         staged = durable.Staged(
             self.key, os.path.join(self.staging, "artifact"),
-            [self._file_path(i) for i in range(len(self.fds))], self._sync_payload,
+            [self._file_path(i) for i in range(self.n_files)], self._sync_payload,
         )
         try:
             text = durable.publish(self.store, staged, manifest, self._moved)
@@ -363,7 +664,7 @@ class Publication:
             readback(self._file_path(i), self._whole[i], self._parts[i], lay.data_start, lay.file_size)
 
         with ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="hwr-readback") as pool:
-            for fut in [pool.submit(one, i) for i in range(len(self.fds))]:
+            for fut in [pool.submit(one, i) for i in range(self.n_files)]:
                 fut.result()
         return self._collect()
 
@@ -376,14 +677,24 @@ class Publication:
         background while the next one's bytes flowed; this waits for those
         and fsyncs the rest (files without data bytes; every file when
         unordered, in parallel like the read-back)."""
-        rest = [fd for i, fd in enumerate(self.fds) if i not in self._synced]
+        rest = [i for i in range(self.n_files) if i not in self._synced]
         if self.checked.plan.ordered:
-            self._fsyncs += [self._fsync_pool.submit(os.fsync, fd) for fd in rest]
+            self._fsyncs += [self._fsync_pool.submit(self._fsync_file, i) for i in rest]
             rest = []
         with ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="hwr-fsync") as pool:
-            futures = self._fsyncs + [pool.submit(os.fsync, fd) for fd in rest]
+            futures = self._fsyncs + [pool.submit(self._fsync_file, i) for i in rest]
             for fut in futures:
                 fut.result()  # raises the fsync's OSError: nothing moves into blobs/
+
+    def _fsync_file(self, i: int) -> None:
+        """fsyncs file ``i`` through its open descriptor, or one opened for it
+        (the few kept open are not touched by the writer meanwhile: the
+        commit runs after the last chunk)."""
+        fd = self._open_fds.get(i)
+        if fd is not None:
+            os.fsync(fd)
+            return
+        _fsync_close(os.open(self._file_path(i), os.O_RDONLY | os.O_CLOEXEC))
 
     def _collect(self) -> tuple[list, dict, list]:
         problems = [p for parts in self._parts for p in parts.problems]
@@ -419,10 +730,11 @@ class Publication:
             except BaseException:  # noqa: BLE001 - the attempt is over; its error was reported
                 pass
         self._stages = []
+        # Waits for queued fsyncs: each owns and closes a descriptor.
         self._fsync_pool.shutdown(wait=True)
-        for fd in self.fds:
+        for fd in self._open_fds.values():
             os.close(fd)
-        self.fds = []
+        self._open_fds.clear()
         if self.staging:
             # After a commit only emptied directories remain; otherwise this drops the payload.
             shutil.rmtree(self.staging, ignore_errors=True)
@@ -430,13 +742,27 @@ class Publication:
         if self._claimed:
             self.store.release_claim(self.key, self.pub_id, moved_blobs=tuple(self._moved))
             self._claimed = False
+        if self._reserved:
+            self.store.publication_peers.unreserve(self.peer.key, self._reserved)
+            self._reserved = 0
         if self._slot:
             self.store.publication_slots.release()
             self._slot = False
+        if self._peer_slot:
+            self.store.publication_peers.release_slot(self.peer.key)
+            self._peer_slot = False
         if not self._done and not self._counted and not self.already_published:
             self._counted = True
             self.store.count("failed", nbytes=0, seconds=time.monotonic() - self.started)
             log.info("publication %s of %s ended without commit; staging removed", self.pub_id, self.key[:12])
+
+
+def _fsync_close(fd: int) -> None:
+    """fsyncs then closes ``fd`` (closed even when the fsync fails)."""
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _declared_tensors(msg: pb.PublishPlan) -> dict[str, str]:

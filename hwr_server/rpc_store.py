@@ -16,7 +16,8 @@ import grpc
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from hwr_client.core.identity import check_key
-from hwr_server.publication import Publication
+from hwr_server.peers import peer_of
+from hwr_server.publication import Publication, RequestPump
 from hwr_server.rpc_leases import lease_info_pb
 from hwr_server.store import ArtifactSummary, summary_of
 
@@ -32,22 +33,27 @@ log = logging.getLogger(__name__)
 def publish(c: Components, requests: Iterator[pb.PublishRequest], context: grpc.ServicerContext) -> Iterator[pb.PublishEvent]:
     """Publish: plan → accepted → chunks → commit → committed.
 
+    After the plan, each message must arrive within
+    ``config.publication_idle_s`` or the publication ends ABORTED.
+
     Raises:
         InvalidArgument: no plan first, bad plan, bad chunk, stream ended early.
-        Aborted / ResourceExhausted / FailedPrecondition: see Publication.
+        Aborted: idle past the deadline; see also Publication.
+        ResourceExhausted / FailedPrecondition: see Publication.
     """
     store = c.store
     first = next(requests, None)
     if first is None or first.WhichOneof("kind") != "plan":
         raise InvalidArgument("publish: the first message must be a plan")
-    pub = Publication.begin(store, first.plan, is_active=context.is_active)
+    pub = Publication.begin(store, first.plan, peer=peer_of(context), is_active=context.is_active)
+    pump = RequestPump(requests, idle_s=float(store.config.publication_idle_s), what=f"publication {pub.pub_id}")
     try:
         yield pb.PublishEvent(accepted=pub.accepted())
-        for req in requests:
+        while (req := pump.next()) is not None:
             kind = req.WhichOneof("kind")
             if kind == "chunk":
-                c = req.chunk
-                pub.write(c.file_index, c.offset, c.data)
+                chunk = req.chunk
+                pub.write(chunk.file_index, chunk.offset, chunk.data)
             elif kind == "commit":
                 done = pub.commit()
                 yield pb.PublishEvent(
@@ -61,7 +67,9 @@ def publish(c: Components, requests: Iterator[pb.PublishRequest], context: grpc.
                 raise InvalidArgument(f"publish {pub.pub_id}: unexpected {kind or 'empty'} message after the plan")
         raise InvalidArgument(f"publish {pub.pub_id}: the stream ended without a commit; nothing was published")
     finally:
-        # Runs on success, error, client cancel and generator close: staging never outlives the call.
+        # Runs on success, error, idle deadline, client cancel and generator
+        # close: staging, slots and reservation never outlive the call.
+        pump.close()
         pub.close()
 
 

@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 import threading
-from typing import Callable, Iterator
+from typing import Iterator
 
 from hwr_client.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.core.identity import check_key
@@ -32,8 +32,10 @@ from hwr_client.core.manifest import Manifest
 from hwr_server import commit
 from hwr_server.commit import dir_bytes
 from hwr_server.config import ServerConfig
-from hwr_server.scrub import ReportedVerify
+from hwr_server.interfaces import CapacityHook
+from hwr_server.publication import PeerShares
 from hwr_server.recovery import RecoveryReport, Untrusted, open_stored, read_stored, recover, verify_artifact
+from hwr_server.scrub import ReportedVerify
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +133,11 @@ class Store:
         self.quarantine_dir = os.path.join(self.root, "quarantine")
         for d in (self.blobs_dir, self.artifacts_dir, self.staging_dir, self.quarantine_dir):
             os.makedirs(d, mode=0o755, exist_ok=True)
-        #: callable(nbytes) run at publication plan; raises ResourceExhausted.
+        #: hook(nbytes, evict=, who=) run at publication plan (a dry run) and
+        #: at its first payload chunk; raises ResourceExhausted.
         #: The daemon's wiring sets it once, before recovery, to the
         #: collector's hook (which collects first, then calls this default).
-        self.capacity_hook: Callable[[int], None] = self.default_capacity_hook
+        self.capacity_hook: CapacityHook = self.default_capacity_hook
         self._lock = threading.RLock()
         self._index: dict[str, Manifest] = {}
         self._quarantined: dict[str, ArtifactSummary] = {}
@@ -142,6 +145,8 @@ class Store:
         self._pending_blobs: dict[str, set[str]] = {}  # key -> blobs installed, manifest not yet visible
         self._bad_blobs: set[str] = set()  # blobs a verification found corrupt
         self.publication_slots = threading.BoundedSemaphore(max(1, config.max_publications))
+        #: Per-peer publication slots and reserved bytes (hwr_server.publication).
+        self.publication_peers = PeerShares()
         self._outcomes = dict.fromkeys(("committed", "already_published", "conflict", "rejected", "failed"), 0)
         self._publication_bytes = 0
         self._publication_seconds = 0.0
@@ -293,9 +298,11 @@ class Store:
 
     # -- capacity -------------------------------------------------------------
 
-    def default_capacity_hook(self, nbytes: int) -> None:
+    def default_capacity_hook(self, nbytes: int, *, evict: bool = True, who: str = "") -> None:
         """Refuses a publication of ``nbytes`` that would exceed
-        ``config.capacity`` or the disk's free space.
+        ``config.capacity`` or the disk's free space. Never collects, so
+        ``evict`` and ``who`` (see :data:`~hwr_server.interfaces.CapacityHook`)
+        change nothing here.
 
         Raises:
             ResourceExhausted: naming the figures and the fix.

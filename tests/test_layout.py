@@ -141,3 +141,32 @@ def test_printable_is_isprintable():
         text = f"ab{chr(c)}cd"
         assert _printable(text) == text.isprintable(), hex(c)
     assert _printable("") and _printable("plain.ascii name~") and not _printable("a\x7f")
+
+
+def _header(entries: dict) -> io.BytesIO:
+    text = json.dumps(entries).encode()
+    return io.BytesIO(struct.pack("<Q", len(text)) + text)
+
+
+@pytest.mark.parametrize("shape, ok", [
+    ([2**63 - 1, 0], True), ([2**63, 0], False), ([0, 2**62, 2**62], False), ([2**62, 1], True),
+])
+def test_shapes_are_bounded_by_int64_at_plan_and_in_headers(shape, ok):
+    """Finding 12: each dimension, the element count over the non-zero
+    dimensions and the byte length are at most 2**63 - 1 (U8 here: bytes ==
+    elements), in a plan and in a parsed header alike."""
+    spec = TensorSpec("w", "U8", tuple(shape))
+    nbytes = spec.nbytes
+    f = _header({"w": {"dtype": "U8", "shape": shape, "data_offsets": [0, nbytes]}})
+    size = len(f.getvalue()) + nbytes
+    if ok:
+        assert spec.validate() is spec
+        assert parse_header(f, size).entries[0].shape == tuple(shape)
+    else:
+        with pytest.raises(InvalidArgument, match=r"2\*\*63 - 1"):
+            spec.validate()
+        with pytest.raises(InvalidArgument, match=r"2\*\*63 - 1"):
+            parse_header(f, size)
+    # One byte per element more (U16) crosses the byte bound at 2**62 elements.
+    with pytest.raises(InvalidArgument, match="byte length"):
+        TensorSpec("w", "U16", (2**62,)).validate()

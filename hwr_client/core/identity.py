@@ -31,7 +31,8 @@ from typing import AbstractSet, Any, Mapping
 
 from hwr_client.core.errors import InvalidArgument
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# \Z, not $: "$" also matches before a trailing newline.
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _CONTENT_ID = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 #: Runtime dtype names accepted in ``representation.dtype`` (torch spelling).

@@ -29,6 +29,13 @@ ALIGN = 64
 #: Largest safetensors header we parse (a header claiming more is rejected
 #: before anything is allocated).
 MAX_HEADER_BYTES = 100 * 1000 * 1000
+#: Largest dimension, element count and byte length of one tensor: int64's
+#: maximum, what torch and numpy index with. A larger one cannot be viewed
+#: (torch raises "Overflow" at lease time), so it is refused at the plan.
+#: The element count is taken over the NON-zero dimensions: torch multiplies
+#: the sizes in order, so ``[2**62, 2**62, 0]`` overflows although it holds
+#: no element.
+MAX_DIM = 2**63 - 1
 #: Reserved name prefix for padding tensors.
 PAD_PREFIX = "__hwr_pad."
 
@@ -149,7 +156,31 @@ class TensorSpec:
         for dim in self.shape:
             if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
                 raise InvalidArgument(f"tensor {self.name!r}: shape {list(self.shape)} must hold integers >= 0")
+        check_shape_bound(self.shape, DTYPE_SIZES[self.dtype], what=f"tensor {self.name!r}")
         return self
+
+
+def check_shape_bound(shape: Sequence[int], itemsize: int, *, what: str) -> None:
+    """Refuses a shape whose dimensions, element count or byte length exceed
+    :data:`MAX_DIM` (the element count over the non-zero dimensions, see there).
+
+    Args:
+        shape: integer dimensions >= 0 (the caller checked their type).
+        itemsize: bytes per element of the dtype.
+        what: names the tensor in the error.
+
+    Raises:
+        InvalidArgument: naming the tensor, its shape and the bound.
+    """
+    n = itemsize
+    for dim in shape:
+        if dim:
+            n *= dim
+        if dim > MAX_DIM or n > MAX_DIM:
+            raise InvalidArgument(
+                f"{what}: shape {list(shape)} exceeds {MAX_DIM} (2**63 - 1) in a dimension, the element count "
+                "or the byte length; no tensor can be that large"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +321,7 @@ def parse_header(f: BinaryIO, file_size: int, *, what: str = "file") -> ParsedHe
             raise InvalidArgument(f"{what}: tensor {name!r} has unknown dtype {dtype!r}")
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise InvalidArgument(f"{what}: tensor {name!r} has a bad shape {list(shape)}")
+        check_shape_bound(shape, DTYPE_SIZES[dtype], what=f"{what}: tensor {name!r}")
         if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
             raise InvalidArgument(f"{what}: tensor {name!r} has bad data_offsets {[begin, end]}")
         expected = math.prod(shape) * DTYPE_SIZES[dtype]

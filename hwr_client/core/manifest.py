@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, TypeVar
 
 from hwr_client.core.errors import InvalidArgument
 from hwr_client.core.identity import Identity
-from hwr_client.core.layout import DTYPE_SIZES, check_tensor_names
+from hwr_client.core.layout import DTYPE_SIZES, MAX_DIM, check_shape_bound, check_tensor_names
 
 if TYPE_CHECKING:
     from hwr_client.core.plan import CheckedPlan
@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 #: The manifest document's ``format`` and ``format_version``.
 FORMAT = "hwr-manifest"
 FORMAT_VERSION = 1
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+# \Z, not $: "$" also matches before a trailing newline, which would let a
+# 65-character "digest" through.
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 # A document entry's fields, in the order of the dataclass that holds them.
 _TENSOR_FIELDS = operator.itemgetter("name", "file", "dtype", "shape", "offset", "nbytes", "sha256")
 _BLOCK_FIELDS = operator.itemgetter("index", "prefix", "file", "begin", "end", "xxh3_128", "tensors")
@@ -294,6 +296,10 @@ def _tensors(doc_tensors: Any, files: tuple[FileEntry, ...], what: str,
             if type(d) is not int or d < 0:
                 raise InvalidArgument(f"{what}: tensor {name!r} shape {list(shape)} must hold integers >= 0")
             size *= d
+        if size > MAX_DIM or (not size and shape):
+            # The int64 bound of the plan (layout.MAX_DIM); a zero-element
+            # shape is checked over its non-zero dimensions, as there.
+            check_shape_bound(shape, itemsizes[dtype], what=f"{what}: tensor {name!r}")
         if size != nbytes or offset < data_starts[file] or offset + nbytes > sizes[file]:
             raise InvalidArgument(f"{what}: tensor {name!r} range {offset}+{nbytes} does not fit file {file}")
         # _frozen, inline: a call per tensor would cost a tenth of the pass.
@@ -318,8 +324,8 @@ def _names_and_hashes(doc_tensors: Any, what: str) -> tuple[list[str], set[str],
 
     The rows can where no string in them needs escaping: valid names are
     printable and have no "\\", so only a '"' would; hashes that are plain
-    hex need none. (The rule lets a hash end in a newline: ``$`` matches
-    before one.)
+    hex need none. (``_HEX64`` ends in ``\\Z``: a hash with a trailing
+    newline is refused, not passed on into a row.)
     """
     names = list(map(_NAME, doc_tensors))
     try:
@@ -411,6 +417,17 @@ def _frozen(cls: type[_Entry], values: dict[str, Any]) -> _Entry:
 
 
 # ------------------------------------------------------------------ writing
+
+
+def planned_manifest_bytes(checked: "CheckedPlan") -> int:
+    """The UTF-8 size of the manifest a publication of ``checked`` will
+    store: the manifest built with placeholder digests of the real lengths,
+    so the figure is exact (``created_unix`` has the same digits until 2286).
+    Costs one manifest build, O(tensors)."""
+    sha, xxh = "0" * 64, "0" * 32
+    tensors = {spec.name: sha for lay in checked.layouts for spec in lay.tensors}
+    manifest = build_manifest(checked, [(sha, xxh)] * len(checked.layouts), tensors, [xxh] * len(checked.blocks))
+    return len(manifest.to_json().encode("utf-8"))
 
 
 def build_manifest(

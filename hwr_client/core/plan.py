@@ -15,14 +15,18 @@ import re
 from typing import Sequence
 
 from hwr_client.core._proto import hwr_pb2 as pb
-from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.errors import InvalidArgument, ResourceExhausted
 from hwr_client.core.identity import Identity
-from hwr_client.core.layout import FileLayout, TensorSpec, layout_file
+from hwr_client.core.layout import MAX_HEADER_BYTES, FileLayout, TensorSpec, layout_file
+# manifest imports this module only for type annotations: no import cycle.
+from hwr_client.core.manifest import planned_manifest_bytes
 
 #: Default size at which block files are split: blocks are packed into files
 #: of about this size (a block is never split across files).
 FILE_TARGET_BYTES = 512 * 1024 * 1024
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# \Z, not $: "$" also matches before a trailing newline.
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_CONTENT_DIGEST = re.compile(r"sha256:[0-9a-f]{64}\Z")
 # `blocks.3.`, `layers.3.`, `transformer_blocks.3.`, `single_transformer_blocks.3.`,
 # optionally under a module path (`model.layers.3.`).
 _BLOCK_NAME = re.compile(r"^((?:.*\.)?(?:blocks|layers|transformer_blocks|single_transformer_blocks|h)\.)(\d+)\.")
@@ -131,7 +135,7 @@ def check_plan(plan: PlanSpec) -> CheckedPlan:
                 raise InvalidArgument(f"publication plan: duplicate tensor name {t.name!r}")
             where[t.name] = (fi, ti)
         layouts.append(layout_file(f.tensors))
-    if plan.declared_content_digest and not re.match(r"^sha256:[0-9a-f]{64}$", plan.declared_content_digest):
+    if plan.declared_content_digest and not _CONTENT_DIGEST.match(plan.declared_content_digest):
         raise InvalidArgument("publication plan: declared_content_digest must be 'sha256:<64 hex>'")
     checked: list[CheckedBlock] = []
     owner: dict[str, int] = {}  # tensor name -> the block that holds it
@@ -159,6 +163,115 @@ def check_plan(plan: PlanSpec) -> CheckedPlan:
         end = lay.data_start + lay.tensor_offsets[t0 + len(b.tensors) - 1] + last.nbytes
         checked.append(CheckedBlock(bi, b.prefix, fi, begin, end, tuple(b.tensors)))
     return CheckedPlan(plan, tuple(layouts), tuple(checked))
+
+
+# -- limits ---------------------------------------------------------------------
+
+#: The smallest header entry a tensor adds to its file's safetensors header:
+#: ``"<name>":{"dtype":"U8","shape":[],"data_offsets":[0,1]},`` without the
+#: name is 50 bytes. A lower bound, so the plan-time estimate never refuses a
+#: header the exact check would accept.
+_MIN_HEADER_ENTRY = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanLimits:
+    """What one publication plan may ask of the daemon (DESIGN §16): each
+    field is a ``ServerConfig`` field of the same name, whose documentation
+    gives its unit and default; ``field`` names it in every refusal.
+
+    The counts are checked on the wire message by :func:`check_plan_message`
+    BEFORE any object is built from it, so the memory a plan costs is bounded
+    by these numbers, not by the 64 MiB message limit; the exact sizes
+    (headers, manifest) once the plan is checked (:func:`check_plan_sizes`).
+    """
+
+    max_artifact_tensors: int = 65536
+    max_artifact_files: int = 1024
+    max_tensor_name_bytes: int = 1024
+    max_tensor_dims: int = 8
+    max_header_bytes: int = 16 * 1024 * 1024
+    max_manifest_bytes: int = 32 * 1024 * 1024
+
+
+def _exhausted(what: str, value: int, limit: int, field: str) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"publication plan: {what} {value} exceeds the limit {limit} (ServerConfig.{field}); "
+        "split the artifact or raise the limit in the daemon's config"
+    )
+
+
+def check_plan_message(msg: pb.PublishPlan, limits: PlanLimits) -> None:
+    """Checks the counts of a wire plan against ``limits`` before anything is
+    built from it: files, tensors, block entries, identity size, then per
+    tensor its name length and dimensions, and per file a lower bound of its
+    header size. Costs O(files) until the counts pass, O(tensors) after.
+
+    Raises:
+        ResourceExhausted: too many files, tensors or block entries, or a
+            header or identity too large (a limit of capacity).
+        InvalidArgument: a tensor name too long or too many dimensions (a
+            malformed tensor).
+    """
+    if len(msg.files) > limits.max_artifact_files:
+        raise _exhausted("files", len(msg.files), limits.max_artifact_files, "max_artifact_files")
+    tensors = sum(len(f.tensors) for f in msg.files)
+    if tensors > limits.max_artifact_tensors:
+        raise _exhausted("tensors", tensors, limits.max_artifact_tensors, "max_artifact_tensors")
+    # Blocks repeat tensor names: bounded by the same count (each tensor is in
+    # at most one block, which check_plan enforces once the objects exist).
+    if len(msg.blocks) > limits.max_artifact_tensors:
+        raise _exhausted("blocks", len(msg.blocks), limits.max_artifact_tensors, "max_artifact_tensors")
+    in_blocks = sum(len(b.tensors) for b in msg.blocks)
+    if in_blocks > limits.max_artifact_tensors:
+        raise _exhausted("tensor names in blocks", in_blocks, limits.max_artifact_tensors, "max_artifact_tensors")
+    # The identity is stored in the manifest: one that cannot fit it never could be served.
+    if len(msg.identity_json) > limits.max_manifest_bytes:
+        raise _exhausted("identity bytes", len(msg.identity_json), limits.max_manifest_bytes, "max_manifest_bytes")
+    for fi, f in enumerate(msg.files):
+        header = 0
+        for t in f.tensors:
+            _check_name_bytes(t.name, f"file {fi} tensor", limits)
+            if len(t.shape) > limits.max_tensor_dims:
+                raise InvalidArgument(
+                    f"publication plan: tensor {t.name!r} has {len(t.shape)} dimensions; at most "
+                    f"{limits.max_tensor_dims} (ServerConfig.max_tensor_dims)"
+                )
+            header += len(t.name) + _MIN_HEADER_ENTRY
+        if header > limits.max_header_bytes:
+            raise _exhausted(f"file {fi} header bytes (at least)", header, limits.max_header_bytes,
+                             "max_header_bytes")
+    for b in msg.blocks:
+        _check_name_bytes(b.prefix, "block prefix", limits)
+
+
+def _check_name_bytes(name: str, what: str, limits: PlanLimits) -> None:
+    # A str of n characters has n to 4n UTF-8 bytes: encode only when that decides.
+    n = len(name)
+    if n > limits.max_tensor_name_bytes or (4 * n > limits.max_tensor_name_bytes
+                                            and len(name.encode("utf-8")) > limits.max_tensor_name_bytes):
+        raise InvalidArgument(
+            f"publication plan: {what} name {name[:64]!r}... is longer than {limits.max_tensor_name_bytes} UTF-8 "
+            "bytes (ServerConfig.max_tensor_name_bytes)"
+        )
+
+
+def check_plan_sizes(checked: CheckedPlan, limits: PlanLimits) -> None:
+    """Checks the exact header size of every file and the size the manifest
+    will have, before anything is staged: a header the safetensors parser
+    would refuse, or a manifest that cannot be sent in one gRPC message
+    (Lookup, AcquireLease), must never be published.
+
+    Raises:
+        ResourceExhausted: naming the file or the manifest, its size and the limit.
+    """
+    header_limit = min(limits.max_header_bytes, MAX_HEADER_BYTES)
+    for fi, lay in enumerate(checked.layouts):
+        if len(lay.header) > header_limit:
+            raise _exhausted(f"file {fi} header bytes", len(lay.header), header_limit, "max_header_bytes")
+    size = planned_manifest_bytes(checked)
+    if size > limits.max_manifest_bytes:
+        raise _exhausted("manifest bytes", size, limits.max_manifest_bytes, "max_manifest_bytes")
 
 
 def to_proto(plan: PlanSpec) -> pb.PublishPlan:
