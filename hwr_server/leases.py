@@ -35,10 +35,11 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from hwr_client.core.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hwr_client.core.identity import check_key
 from hwr_client.core.manifest import Manifest
 from hwr_server import db
+from hwr_server.admission import stream_capacity
 from hwr_server.config import ServerConfig
 from hwr_server.interfaces import LeaseStore
 
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 
 ATTACHED = "attached"
 AWAITING = "awaiting-reattach"
+#: A client name is a label for operators, stored with every lease record:
+#: longer ones are cut here so a client cannot bloat the index. Characters.
+_MAX_CLIENT_NAME = 256
 #: The reaper never sleeps longer than this, so a timeout or the end of the
 #: grace period is noticed within about this bound. Seconds.
 _MAX_REAP_PERIOD_S = 0.5
@@ -258,9 +262,11 @@ class LeaseManager:
         """Open sessions allowed at once. A session stream occupies one gRPC
         worker thread for its whole life; without a cap, more sessions than
         threads would leave none for AcquireLease and every worker would
-        hang. A quarter of the threads (at least 4) stays for unary calls."""
-        threads = int(self.config.grpc_threads)
-        return max(1, threads - max(4, threads // 4))
+        hang. A quarter of the threads (at least 4) stays for unary calls:
+        the same share the stream admission keeps (hwr_server.admission),
+        which refuses the stream before it gets here; this check stays for
+        callers of the manager itself."""
+        return stream_capacity(self.config)
 
     def open_session(self, pid: int, client_name: str, reattach_ids: Iterable[str] = (),
                      on_expire: Callable[[], None] | None = None) -> SessionGrant:
@@ -276,7 +282,18 @@ class LeaseManager:
         Raises:
             Unavailable: the daemon is shutting down.
             ResourceExhausted: too many open sessions (see max_sessions).
+            InvalidArgument: more lease ids to re-attach than one session
+                may hold (``max_leases_per_session``).
         """
+        reattach_ids = list(reattach_ids)
+        cap = int(self.config.max_leases_per_session)
+        if len(reattach_ids) > cap:
+            # A session never held more, so this is not a client of ours;
+            # refused before any per-id work.
+            raise InvalidArgument(f"session for pid {pid}: SessionOpen names {len(reattach_ids)} lease ids to "
+                                  f"re-attach; expected at most {cap} (max_leases_per_session)")
+        if len(client_name) > _MAX_CLIENT_NAME:
+            client_name = client_name[:_MAX_CLIENT_NAME - 1] + "…"
         session = _Session(secrets.token_urlsafe(24), int(pid), client_name, time.monotonic(), on_expire=on_expire)
         reattached, lost = [], []
         with self._lock:
@@ -343,10 +360,16 @@ class LeaseManager:
             FailedPrecondition: the session is not open, or the artifact is
                 quarantined (from the store).
             NotFound: no published artifact with that key (from the store).
+            ResourceExhausted: the session holds ``max_leases_per_session``
+                leases already.
         """
         check_key(key)
         # Outside the lock: the store does its own locking, and a slow
-        # lookup must not stall every other session's keepalive.
+        # lookup must not stall every other session's keepalive. store.get
+        # reads the index under the store's lock, the one delete_guard()
+        # holds around a delete's "is it leased?" check and its unlink, so
+        # this read is never inside that gap (issue 16, finding 14); the
+        # re-check after the record below closes the rest.
         manifest_json, paths = self._lookup(key)
         lease_id = secrets.token_urlsafe(24)
         with self._lock:
@@ -354,6 +377,14 @@ class LeaseManager:
             if session is None:
                 raise FailedPrecondition(
                     "session: not open (it ended, timed out or the daemon restarted); open a new session"
+                )
+            cap = int(self.config.max_leases_per_session)
+            if len(session.leases) >= cap:
+                # Before the record is written: a refused grant costs nothing.
+                raise ResourceExhausted(
+                    f"lease on {key[:12]} for session {session_id[:6]}… (pid {session.pid}): the session holds "
+                    f"{len(session.leases)} leases, the limit is {cap} per session (max_leases_per_session); "
+                    "close leases no longer mapped (Lease.close) or raise max_leases_per_session in the daemon config"
                 )
             lease = _Lease(_hash(lease_id), lease_id[:8], key, session.pid, session.client_name, int(time.time()),
                            session)
