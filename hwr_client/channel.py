@@ -73,6 +73,12 @@ class _PeerTokens:
         self._tokens: dict[str, tuple[str | None, float]] = {}  # socket -> (token, monotonic time)
 
     def get(self, socket: str) -> str | None:
+        # Every call comes here: a token we hold is read without the lock
+        # (one dict read, atomic in CPython); a value is never changed in
+        # place, only replaced.
+        token, _ = self._tokens.get(socket, (None, 0.0))
+        if token is not None:
+            return token
         # Under the lock: threads of one process making their first calls
         # together shake hands once.
         with self._lock:

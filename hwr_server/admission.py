@@ -44,6 +44,11 @@ from hwr_server.peers import Peer
 
 log = logging.getLogger(__name__)
 
+#: Refusals are logged at most once per this period per socket (with the
+#: count of those not logged): a client retrying in a loop must not flood
+#: the journal. Seconds.
+_REFUSAL_LOG_PERIOD_S = 1.0
+
 
 def unary_reserve(config: ServerConfig) -> int:
     """Threads of ``grpc_threads`` that client streams can never take."""
@@ -167,6 +172,8 @@ class StreamAdmission:
         self._total = 0
         self._refused = 0
         self._timeouts = 0
+        self._refusals_unlogged = 0
+        self._refusal_logged_at = -_REFUSAL_LOG_PERIOD_S
 
     def admit(self, peer: Peer, rpc: str) -> Ticket:
         """Counts a stream of ``peer``, or refuses it.
@@ -178,13 +185,20 @@ class StreamAdmission:
         with self._lock:
             held = self._per_peer.get(peer, 0)
             refusal = self._refusal(peer, rpc, held)
+            unlogged = -1  # -1: do not log this one
             if refusal is not None:
                 self._refused += 1
+                now = time.monotonic()
+                if now - self._refusal_logged_at >= _REFUSAL_LOG_PERIOD_S:
+                    unlogged, self._refusals_unlogged, self._refusal_logged_at = self._refusals_unlogged, 0, now
+                else:
+                    self._refusals_unlogged += 1
             else:
                 self._per_peer[peer] = held + 1
                 self._total += 1
         if refusal is not None:
-            log.warning("%s", refusal)
+            if unlogged >= 0:
+                log.warning("%s (and %d refusal(s) not logged since the last)", refusal, unlogged)
             raise ResourceExhausted(refusal)
         return Ticket(self, peer)
 

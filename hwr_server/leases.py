@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from hwr_client.core.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from hwr_client.core.identity import check_key
 from hwr_client.core.manifest import Manifest
 from hwr_server import db
@@ -282,16 +282,17 @@ class LeaseManager:
         Raises:
             Unavailable: the daemon is shutting down.
             ResourceExhausted: too many open sessions (see max_sessions).
-            InvalidArgument: more lease ids to re-attach than one session
-                may hold (``max_leases_per_session``).
         """
         reattach_ids = list(reattach_ids)
         cap = int(self.config.max_leases_per_session)
-        if len(reattach_ids) > cap:
-            # A session never held more, so this is not a client of ours;
-            # refused before any per-id work.
-            raise InvalidArgument(f"session for pid {pid}: SessionOpen names {len(reattach_ids)} lease ids to "
-                                  f"re-attach; expected at most {cap} (max_leases_per_session)")
+        # Ids past max_leases_per_session are lost without a look-up: a
+        # session never holds more (unless the cap was lowered across a
+        # restart), and a client naming millions costs no per-id work.
+        excess = reattach_ids[cap:]
+        reattach_ids = reattach_ids[:cap]
+        if excess:
+            log.warning("session for pid %d: %d lease id(s) to re-attach exceed max_leases_per_session=%d; "
+                        "reported lost", pid, len(excess), cap)
         if len(client_name) > _MAX_CLIENT_NAME:
             client_name = client_name[:_MAX_CLIENT_NAME - 1] + "…"
         session = _Session(secrets.token_urlsafe(24), int(pid), client_name, time.monotonic(), on_expire=on_expire)
@@ -314,6 +315,7 @@ class LeaseManager:
                     reattached.append(lease_id)
                 else:
                     lost.append(lease_id)
+            lost.extend(excess)
         if reattached or lost:
             log.info("session %s… (pid %d): re-attached %d lease(s), %d lost", session.session_id[:6], pid,
                      len(reattached), len(lost))

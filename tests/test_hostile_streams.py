@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import stat
 import subprocess
 import sys
 import textwrap
@@ -408,3 +409,29 @@ def test_a_forged_or_foreign_token_is_the_anonymous_peer(make_daemon_fixture, tm
     key = publish(d)  # a Publish stream with our own token is admitted ...
     with d.client() as c, c.acquire(key):  # ... and so is a session
         pass
+
+
+def test_peer_tokens_survive_a_restart_and_a_planted_key_link_is_replaced(make_daemon_fixture, tmp_path, streams):
+    """The MAC key is <root>/peer.key: a restarted daemon still knows the
+    tokens it issued (re-attaching clients keep their identity), and a link
+    planted at that name is replaced, never followed."""
+    root = tmp_path / "root"
+    root.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"x" * 32)
+    os.symlink(victim, root / "peer.key")
+    d = make_daemon_fixture("--config", config(tmp_path, max_streams_anonymous=0,
+                                                   stream_first_message_timeout_s=60.0), root=str(root))
+    assert victim.read_bytes() == b"x" * 32
+    st = os.lstat(root / "peer.key")
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    forget_peer_token(d.socket)
+    from hwr_client.channel import peer_token
+
+    token = peer_token(d.socket)
+    d.restart()
+    stub = pb_grpc.RuntimeStub(raw_channel(d))
+    opener = pb.SessionRequest(open=pb.SessionOpen(pid=os.getpid(), client_name="restarted"))
+    call = stub.Session(iter([opener]), metadata=[("hwr-peer-token", token)], timeout=CALL_BOUND_S)
+    assert next(call).opened.session_id  # admitted: not the (refused) anonymous peer
+    call.cancel()
