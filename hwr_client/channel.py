@@ -6,6 +6,12 @@ Everything above it (session, lease, publish, sources, the client itself)
 reaches the daemon through :class:`RuntimeChannel` or :func:`call`; this
 module imports nothing of the client, so no import cycle can run through it.
 
+Every channel opened here sends the process's peer token
+(:func:`peer_token`) on each call, so the daemon counts this process's
+streams against its own cap rather than the anonymous one
+(:mod:`hwr_server.peers`). The token comes from one handshake per process
+and socket; a daemon without the credentials socket simply gets no token.
+
 Example:
     >>> from hwr_client.core._proto import hwr_pb2 as pb      # doctest: +SKIP
     >>> with RuntimeChannel("/run/hwr/hwr.sock") as ch:         # doctest: +SKIP
@@ -14,19 +20,35 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import os
+import socket as pysocket
+import threading
+import time
 from typing import Any, Callable
 
 import grpc
 
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.core.defaults import MESSAGE_OPTIONS, check_trusted_dir, default_paths
+from hwr_client.core.defaults import (
+    MESSAGE_OPTIONS,
+    PEER_SOCKET_SUFFIX,
+    PEER_TOKEN_METADATA,
+    check_trusted_dir,
+    default_paths,
+)
 from hwr_client.core.errors import InvalidArgument, from_rpc_error
 
 #: Deadline of a unary call, seconds. Long enough for a lookup or a release
 #: on a loaded daemon; calls that do real work (hashing, verification) pass
 #: their own.
 DEFAULT_TIMEOUT_S = 60.0
+#: Bound on the credentials handshake (connect + one short line). Seconds.
+_HANDSHAKE_TIMEOUT_S = 1.0
+#: A failed handshake (no credentials socket: an older daemon, or none) is
+#: remembered this long before a call tries again. Seconds.
+_HANDSHAKE_RETRY_S = 5.0
+_MAX_TOKEN_BYTES = 256
 
 
 def default_socket(*, admin: bool = False) -> str:
@@ -60,9 +82,119 @@ def default_socket(*, admin: bool = False) -> str:
     return path
 
 
+class _PeerTokens:
+    """This process's peer tokens, one per daemon socket.
+
+    A forked child starts with none (:meth:`after_fork`): the token names
+    the parent's pid, and the child's streams must count as its own.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tokens: dict[str, tuple[str | None, float]] = {}  # socket -> (token, monotonic time)
+
+    def get(self, socket: str) -> str | None:
+        # Every call comes here: a token we hold is read without the lock
+        # (one dict read, atomic in CPython); a value is never changed in
+        # place, only replaced.
+        token, _ = self._tokens.get(socket, (None, 0.0))
+        if token is not None:
+            return token
+        # Under the lock: threads of one process making their first calls
+        # together shake hands once.
+        with self._lock:
+            token, at = self._tokens.get(socket, (None, -_HANDSHAKE_RETRY_S - 1.0))
+            if token is None and time.monotonic() - at > _HANDSHAKE_RETRY_S:
+                token = _handshake(socket)
+                self._tokens[socket] = (token, time.monotonic())
+            return token
+
+    def forget(self, socket: str) -> None:
+        with self._lock:
+            self._tokens.pop(socket, None)
+
+    def after_fork(self) -> None:
+        # A lock copied while a parent thread held it would stay held.
+        self._lock = threading.Lock()
+        self._tokens = {}
+
+
+_TOKENS = _PeerTokens()
+os.register_at_fork(after_in_child=_TOKENS.after_fork)
+
+
+def _handshake(socket: str) -> str | None:
+    """One credentials handshake with the daemon of ``socket``: connect to
+    ``socket + PEER_SOCKET_SUFFIX``, read one line. None on any failure."""
+    conn = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    conn.settimeout(_HANDSHAKE_TIMEOUT_S)
+    data = b""
+    try:
+        conn.connect(socket + PEER_SOCKET_SUFFIX)
+        while not data.endswith(b"\n") and len(data) < _MAX_TOKEN_BYTES:
+            chunk = conn.recv(_MAX_TOKEN_BYTES)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        return None
+    finally:
+        conn.close()
+    token = data.strip().decode("ascii", "replace")
+    return token or None
+
+
+def peer_token(socket: str) -> str | None:
+    """This process's token for the daemon on ``socket`` (a handshake on
+    first use), or None when that daemon offers no credentials socket."""
+    return _TOKENS.get(os.path.abspath(socket))
+
+
+def forget_peer_token(socket: str) -> None:
+    """Drops the token of ``socket``: the next call shakes hands again (a
+    restarted daemon may no longer know it)."""
+    _TOKENS.forget(os.path.abspath(socket))
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                           "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class _PeerTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                            grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the process's peer token to every call's metadata, read at call
+    time (so a fork or a new handshake is seen by channels already open)."""
+
+    def __init__(self, socket: str):
+        self.socket = socket
+
+    def _details(self, details: Any) -> Any:
+        token = peer_token(self.socket)
+        if token is None:
+            return details
+        metadata = [*(details.metadata or ()), (PEER_TOKEN_METADATA, token)]
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
 def open_channel(path: str) -> grpc.Channel:
     """An insecure channel to the Unix socket ``path`` with the shared
-    message limits (:data:`hwr_client.core.defaults.MESSAGE_OPTIONS`).
+    message limits (:data:`hwr_client.core.defaults.MESSAGE_OPTIONS`) that
+    sends this process's peer token on every call.
 
     The channel dials lazily: opening one never fails for a daemon that is
     down; the first call does (Unavailable).
@@ -72,7 +204,9 @@ def open_channel(path: str) -> grpc.Channel:
     """
     if not path:
         raise InvalidArgument("socket path: expected a non-empty path")
-    return grpc.insecure_channel(f"unix:{os.path.abspath(path)}", options=MESSAGE_OPTIONS)
+    path = os.path.abspath(path)
+    channel = grpc.insecure_channel(f"unix:{path}", options=MESSAGE_OPTIONS)
+    return grpc.intercept_channel(channel, _PeerTokenInterceptor(path))
 
 
 def call(method: Callable[..., Any], request: Any, *, timeout: float | None = DEFAULT_TIMEOUT_S,

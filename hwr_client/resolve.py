@@ -11,7 +11,10 @@ required   LOCAL_HIT with a lease       FAILED + how to populate     FAILED
 =========  ===========================  ===========================  ==================================
 
 "Unusable" is an artifact that is quarantined, damaged, or fails the
-lease-time verification. A non-retryable failure (InvalidArgument,
+lease-time verification. A daemon that cannot take this worker now
+(RESOURCE_EXHAUSTED: its stream, session or lease caps are full) is a miss
+too: preferred falls back canonically with the reason logged, required
+fails; it is not a broken identity. A non-retryable failure (InvalidArgument,
 PermissionDenied, an internal error) is FAILED in both modes: preferred never
 turns a broken identity or configuration into a silent miss.
 
@@ -28,7 +31,8 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument, NotFound, Unavailable
+from hwr_client.core.errors import (FailedPrecondition, HwrError, InvalidArgument, NotFound, ResourceExhausted,
+                                    Unavailable)
 from hwr_client.core.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -122,6 +126,8 @@ def _miss(mode: Mode, key: str, reason: str, error: HwrError) -> Resolution:
         error = NotFound(f"HWR required: artifact {key[:12]} is not in the store; {_populate_hint(key)}")
     elif isinstance(error, Unavailable):
         error = Unavailable(f"HWR required: {reason}; start the daemon (`hwr serve`) or use mode=preferred")
+    elif isinstance(error, ResourceExhausted):
+        error = ResourceExhausted(f"HWR required: {reason}; retry when the daemon has room, or use mode=preferred")
     else:
         error = FailedPrecondition(f"HWR required: artifact {key[:12]} is unusable ({error}); "
                                    f"{_populate_hint(key)} after `hwr verify {key}`")
@@ -170,6 +176,10 @@ def resolve(client: Any, identity: Identity | Mapping | str, *, mode: Mode | str
         return _miss(mode, key, f"artifact {key[:12]} unusable: {exc}", exc)
     except Unavailable as exc:
         return _miss(mode, key, f"HWR daemon unreachable: {exc}", exc)
+    except ResourceExhausted as exc:
+        # Decided here, not by making ResourceExhausted retryable in
+        # general: for a worker at start a full daemon is a miss.
+        return _miss(mode, key, f"HWR daemon cannot take this worker now: {exc}", exc)
     except HwrError as exc:
         # InvalidArgument, PermissionDenied, Internal...: not a miss.
         return _failed(mode, key, f"{type(exc).__name__}: {exc}", exc)

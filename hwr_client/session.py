@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Protocol
 import grpc
 
 from hwr_client.channel import call as call_unary
-from hwr_client.channel import open_channel
+from hwr_client.channel import forget_peer_token, open_channel
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
 from hwr_client.core.errors import FailedPrecondition, HwrError, Unavailable, from_rpc_error
@@ -183,6 +183,9 @@ class Session:
                 if self._closed:
                     return
                 reattach = list(self._held)
+            # A restarted daemon may not know our peer token (a new key):
+            # shake hands again, or this process would count as anonymous.
+            forget_peer_token(self.socket)
             try:
                 self._connect(reattach)
                 self.reconnects += 1

@@ -122,6 +122,26 @@ class ServerConfig:
     #: of ``capacity``, or half of the disk without one.
     peer_reserved_bytes: int = 0
 
+    # -- issue 16, threads, streams, sessions and peers (hwr_server.admission, .peers, .leases) --
+    #: Client streams (Session, Publish) one process, as proven by the peer
+    #: credentials handshake, may hold at once on one socket; more answer
+    #: RESOURCE_EXHAUSTED before taking a thread. Count. Default 8 (a worker
+    #: holds one session and at most a publication or two).
+    max_streams_per_peer: int = 8
+    #: The same cap for every caller without a peer token together (old
+    #: clients, raw gRPC); 0 refuses their streams. Count. Default 8.
+    max_streams_anonymous: int = 8
+    #: A client stream that sends no first message (SessionOpen, the plan)
+    #: within this long is cancelled and its thread freed. Seconds. Default 10.
+    stream_first_message_timeout_s: float = 10.0
+    #: rpcs in flight on one socket, running or queued for a thread; beyond
+    #: it gRPC answers RESOURCE_EXHAUSTED without taking a thread (the
+    #: backstop of the stream caps). Count, at least grpc_threads. Default 1024.
+    max_concurrent_rpcs: int = 1024
+    #: Leases one session may hold at once; more answer RESOURCE_EXHAUSTED.
+    #: Count. Default 1024 (a worker holds one per artifact it maps).
+    max_leases_per_session: int = 1024
+
     def resolved(self) -> "ServerConfig":
         """A copy with empty paths filled from :func:`default_paths`."""
         root, sock, admin = default_paths()

@@ -4,9 +4,15 @@ Start-up order (each step's reason in a comment at the step):
  1. lock the root, then the socket paths — before any bind;
  2. build components (store, leases, sources, gc, scrub, metrics);
  3. bind both sockets with restrictive modes, health NOT_SERVING, rpcs
-    answer UNAVAILABLE;
+    answer UNAVAILABLE; then the peer credentials socket next to the
+    runtime socket (hwr_server.peers);
  4. recovery (store.recover) and component start();
  5. health SERVING, sd_notify READY=1.
+Threads: each socket's pool has ``grpc_threads`` threads, of which client
+streams may hold at most ``admission.stream_capacity`` (the rest stay for
+unary calls); gRPC's ``maximum_concurrent_rpcs`` bounds what may queue
+(hwr_server.admission).
+
 Shutdown (SIGTERM/SIGINT): health NOT_SERVING, sd_notify STOPPING=1, stop
 accepting, let in-flight calls finish within ``shutdown_grace_s``, stop
 components in reverse order, release locks, exit 0.
@@ -28,9 +34,10 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hwr_client.core.defaults import MESSAGE_OPTIONS
+from hwr_client.core.defaults import MESSAGE_OPTIONS, PEER_SOCKET_SUFFIX
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
-from hwr_server import runtime_dir, servicer
+from hwr_server import peers, runtime_dir, servicer
+from hwr_server.admission import Deadlines, StreamAdmission
 from hwr_server.config import ServerConfig
 from hwr_server.gc import Collector
 from hwr_server.hashing import tune_allocator
@@ -91,6 +98,10 @@ class Daemon:
         self._servers: list[grpc.Server] = []
         self._bound: list[str] = []
         self._health: list[health.HealthServicer] = []
+        #: Stream caps per socket (runtime: False, admin: True); built with
+        #: the components, one per socket because each has its own pool.
+        self._admission: dict[bool, StreamAdmission] = {}
+        self._peer_listener: peers.PeerListener | None = None
         self._stop = threading.Event()
         self._notifier: Notifier | None = None
 
@@ -109,10 +120,14 @@ class Daemon:
         # 2. Components, after the locks: the store and the lease database
         #    are touched only by the daemon that holds the root.
         components = self.components = self._build_components()
+        # The MAC key lives in the root, which only the lock holder touches.
+        authority = peers.PeerAuthority(peers.load_key(cfg.root))
+        peers.install(authority)
         self._notifier = Notifier.from_environ(environ if environ is not None else {})
         # 3. Bind; rpcs answer UNAVAILABLE and health NOT_SERVING until ready.
         self._bind(cfg.socket, components, admin=False, mode=0o660, group=cfg.socket_group)
         self._bind(cfg.admin_socket, components, admin=True, mode=0o600, group="")
+        self._bind_peer_socket(cfg.socket + PEER_SOCKET_SUFFIX, authority, mode=0o660, group=cfg.socket_group)
         # 4. Recovery: the index must reflect the disk before any call is served.
         t0 = time.monotonic()
         report = components.store.recover()
@@ -140,8 +155,14 @@ class Daemon:
         # or any publication can call it.
         store.capacity_hook = gc.capacity_hook
         scrub = self._built("scrub", Scrubber(cfg, store, leases))
+        # One timer thread for the first-message deadlines of both sockets.
+        deadlines = self._built("deadlines", Deadlines())
+        self._admission = {
+            False: StreamAdmission(cfg, socket_name="runtime socket", deadlines=deadlines),
+            True: StreamAdmission(cfg, socket_name="admin socket", deadlines=deadlines, per_peer=False),
+        }
         figures: list[tuple[str, StatsSource]] = [("store", StoreStats(store.figures)), ("leases", leases), ("sources", sources), ("gc", gc),
-                   ("scrub", scrub), ("daemon", self)]
+                   ("scrub", scrub), ("streams", self._admission[False]), ("daemon", self)]
         metrics = self._built("metrics", Metrics(cfg, figures, started_unix=self.started_unix))
         return Components(store, leases, sources, gc, scrub, metrics)
 
@@ -158,8 +179,13 @@ class Daemon:
             options=[*MESSAGE_OPTIONS,
                      # One listener per path; never share a live path.
                      ("grpc.so_reuseport", 0)],
+            # The backstop behind the stream caps: beyond this many rpcs in
+            # flight (running or queued for a thread) gRPC answers
+            # RESOURCE_EXHAUSTED without taking a thread or queueing more.
+            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs,
         )
-        servicer.add_to_server(server, components, ready=lambda: self.ready, admin=admin)
+        servicer.add_to_server(server, components, ready=lambda: self.ready, admin=admin,
+                               admission=self._admission[admin])
         hs = health.HealthServicer()
         # grpc's HealthServicer answers SERVING for "" until told otherwise;
         # say NOT_SERVING before the first connection can be accepted, or a
@@ -178,14 +204,27 @@ class Daemon:
         if port == 0:
             raise FailedPrecondition(f"socket {path}: could not bind")
         if group:
-            try:
-                os.chown(path, -1, grp.getgrnam(group).gr_gid)
-            except KeyError:
-                raise InvalidArgument(f"socket_group {group!r}: no such group") from None
+            os.chown(path, -1, _group_id(group))
         os.chmod(path, mode)
         self._servers.append(server)
         self._bound.append(path)
         self._health.append(hs)
+
+    def _bind_peer_socket(self, path: str, authority: peers.PeerAuthority, *, mode: int, group: str) -> None:
+        """The credentials handshake socket (hwr_server.peers), with the
+        runtime socket's mode and group: whoever may call may prove who it
+        is. Its path is covered by the runtime socket's lock. A path that
+        cannot be bound (e.g. over the 108-byte limit) is logged: clients
+        then count as the anonymous peer, and everything else works."""
+        _refuse_live_socket(path)
+        listener = peers.PeerListener(path, authority)
+        try:
+            listener.bind(mode=mode, gid=_group_id(group) if group else -1)
+        except OSError as exc:
+            log.warning("peer credentials socket %s: cannot bind (%s); every client counts as the anonymous "
+                        "peer (max_streams_anonymous)", path, exc.strerror or exc)
+            return
+        self._peer_listener = listener
 
     def _set_health(self, status: int) -> None:
         for hs in self._health:
@@ -221,6 +260,8 @@ class Daemon:
         events = [s.stop(self.config.shutdown_grace_s) for s in self._servers]
         for e in events:
             e.wait()
+        if self._peer_listener is not None:
+            self._peer_listener.close()  # removes only the path it bound
         for name, comp in reversed(self._lifecycle):
             try:
                 comp.stop()
@@ -256,6 +297,18 @@ def _refuse_live_socket(path: str) -> None:
         raise FailedPrecondition(f"socket {path}: another server is listening on it")
     finally:
         probe.close()
+
+
+def _group_id(group: str) -> int:
+    """The gid of ``group``.
+
+    Raises:
+        InvalidArgument: no such group.
+    """
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise InvalidArgument(f"socket_group {group!r}: no such group") from None
 
 
 def _unlink_quietly(path: str) -> None:

@@ -39,6 +39,7 @@ from hwr_client.core.errors import FailedPrecondition, NotFound, ResourceExhaust
 from hwr_client.core.identity import check_key
 from hwr_client.core.manifest import Manifest
 from hwr_server import db
+from hwr_server.admission import stream_capacity
 from hwr_server.config import ServerConfig
 from hwr_server.interfaces import LeaseStore
 
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 
 ATTACHED = "attached"
 AWAITING = "awaiting-reattach"
+#: A client name is a label for operators, stored with every lease record:
+#: longer ones are cut here so a client cannot bloat the index. Characters.
+_MAX_CLIENT_NAME = 256
 #: The reaper never sleeps longer than this, so a timeout or the end of the
 #: grace period is noticed within about this bound. Seconds.
 _MAX_REAP_PERIOD_S = 0.5
@@ -258,9 +262,11 @@ class LeaseManager:
         """Open sessions allowed at once. A session stream occupies one gRPC
         worker thread for its whole life; without a cap, more sessions than
         threads would leave none for AcquireLease and every worker would
-        hang. A quarter of the threads (at least 4) stays for unary calls."""
-        threads = int(self.config.grpc_threads)
-        return max(1, threads - max(4, threads // 4))
+        hang. A quarter of the threads (at least 4) stays for unary calls:
+        the same share the stream admission keeps (hwr_server.admission),
+        which refuses the stream before it gets here; this check stays for
+        callers of the manager itself."""
+        return stream_capacity(self.config)
 
     def open_session(self, pid: int, client_name: str, reattach_ids: Iterable[str] = (),
                      on_expire: Callable[[], None] | None = None) -> SessionGrant:
@@ -277,6 +283,18 @@ class LeaseManager:
             Unavailable: the daemon is shutting down.
             ResourceExhausted: too many open sessions (see max_sessions).
         """
+        reattach_ids = list(reattach_ids)
+        cap = int(self.config.max_leases_per_session)
+        # Ids past max_leases_per_session are lost without a look-up: a
+        # session never holds more (unless the cap was lowered across a
+        # restart), and a client naming millions costs no per-id work.
+        excess = reattach_ids[cap:]
+        reattach_ids = reattach_ids[:cap]
+        if excess:
+            log.warning("session for pid %d: %d lease id(s) to re-attach exceed max_leases_per_session=%d; "
+                        "reported lost", pid, len(excess), cap)
+        if len(client_name) > _MAX_CLIENT_NAME:
+            client_name = client_name[:_MAX_CLIENT_NAME - 1] + "…"
         session = _Session(secrets.token_urlsafe(24), int(pid), client_name, time.monotonic(), on_expire=on_expire)
         reattached, lost = [], []
         with self._lock:
@@ -297,6 +315,7 @@ class LeaseManager:
                     reattached.append(lease_id)
                 else:
                     lost.append(lease_id)
+            lost.extend(excess)
         if reattached or lost:
             log.info("session %s… (pid %d): re-attached %d lease(s), %d lost", session.session_id[:6], pid,
                      len(reattached), len(lost))
@@ -343,10 +362,16 @@ class LeaseManager:
             FailedPrecondition: the session is not open, or the artifact is
                 quarantined (from the store).
             NotFound: no published artifact with that key (from the store).
+            ResourceExhausted: the session holds ``max_leases_per_session``
+                leases already.
         """
         check_key(key)
         # Outside the lock: the store does its own locking, and a slow
-        # lookup must not stall every other session's keepalive.
+        # lookup must not stall every other session's keepalive. store.get
+        # reads the index under the store's lock, the one delete_guard()
+        # holds around a delete's "is it leased?" check and its unlink, so
+        # this read is never inside that gap (issue 16, finding 14); the
+        # re-check after the record below closes the rest.
         manifest_json, paths = self._lookup(key)
         lease_id = secrets.token_urlsafe(24)
         with self._lock:
@@ -354,6 +379,14 @@ class LeaseManager:
             if session is None:
                 raise FailedPrecondition(
                     "session: not open (it ended, timed out or the daemon restarted); open a new session"
+                )
+            cap = int(self.config.max_leases_per_session)
+            if len(session.leases) >= cap:
+                # Before the record is written: a refused grant costs nothing.
+                raise ResourceExhausted(
+                    f"lease on {key[:12]} for session {session_id[:6]}… (pid {session.pid}): the session holds "
+                    f"{len(session.leases)} leases, the limit is {cap} per session (max_leases_per_session); "
+                    "close leases no longer mapped (Lease.close) or raise max_leases_per_session in the daemon config"
                 )
             lease = _Lease(_hash(lease_id), lease_id[:8], key, session.pid, session.client_name, int(time.time()),
                            session)

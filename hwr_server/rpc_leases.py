@@ -14,6 +14,7 @@ import grpc
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import InvalidArgument
 from hwr_server.leases import LeaseInfo
+from hwr_server.peers import peer_of
 
 if TYPE_CHECKING:
     from hwr_server.daemon import Components
@@ -39,7 +40,14 @@ def session(c: Components, requests: Iterator[pb.SessionRequest], context: grpc.
     if first is None or first.WhichOneof("kind") != "open":
         raise InvalidArgument("session: expected SessionOpen as the first message")
     opened = first.open
-    grant = leases.open_session(opened.pid, opened.client_name, list(opened.reattach_lease_ids),
+    # The kernel's pid when the peer proved it (hwr_server.peers): what
+    # operators see in `hwr leases` and in a refused delete must not be
+    # whatever the client claims. The claim is used only for anonymous peers.
+    peer = peer_of(context)
+    pid = opened.pid if peer.pid is None else peer.pid
+    if pid != opened.pid:
+        log.info("session of %s: SessionOpen claims pid %d; recorded as pid %d", peer.key, opened.pid, pid)
+    grant = leases.open_session(pid, opened.client_name, list(opened.reattach_lease_ids),
                                 on_expire=context.cancel)
     sid = grant.session_id
     # The callback runs when the RPC terminates for any reason, even while

@@ -9,6 +9,12 @@ classes. This module converts those into gRPC statuses in ONE place
 
 The same two servicer classes serve both sockets; on the runtime socket
 (``admin=False``) the mutating admin calls answer PERMISSION_DENIED.
+
+Every client stream (Session, Publish) passes the socket's
+:class:`~hwr_server.admission.StreamAdmission` at handler entry, before its
+first message is read: over its peer's cap or the socket's total it answers
+RESOURCE_EXHAUSTED at once, and a stream whose first message does not come
+in time is cancelled (see :mod:`hwr_server.admission`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import grpc
 
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
 from hwr_client.core.errors import HwrError, PermissionDenied, Unavailable, status_code_of
-from hwr_server import rpc_gc, rpc_leases, rpc_sources, rpc_stats, rpc_store
+from hwr_server import peers, rpc_gc, rpc_leases, rpc_sources, rpc_stats, rpc_store
+from hwr_server.admission import StreamAdmission
 
 if TYPE_CHECKING:
     from hwr_server.daemon import Components
@@ -59,7 +66,12 @@ def _handler(func: Handler, rpc: str, *, streaming: bool = False) -> Callable[..
         def stream(self: _Base, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
                 check(self)
-                yield from func(self.components, request, context)
+                peer = peers.peer_of(context)
+                # Counted before the first read: a refused stream frees its
+                # thread here, and an admitted one must send in time.
+                with self.admission.admitted(peer, rpc, context):
+                    requests = self.admission.first_message_deadline(request, context, peer, rpc)
+                    yield from func(self.components, requests, context)
             except Exception as exc:  # noqa: BLE001 - translated, never swallowed
                 if isinstance(exc, grpc.RpcError) or context.code() is not None:
                     raise
@@ -89,12 +101,15 @@ class _Base:
         components: the daemon's components (built before any socket binds).
         ready: False until recovery finished; rpcs answer UNAVAILABLE until then.
         admin: True on the admin socket.
+        admission: the stream caps of this socket.
     """
 
-    def __init__(self, components: Components, *, ready: Callable[[], bool], admin: bool):
+    def __init__(self, components: Components, *, ready: Callable[[], bool], admin: bool,
+                 admission: StreamAdmission):
         self.components = components
         self.ready = ready
         self.admin = admin
+        self.admission = admission
 
 
 class RuntimeServicer(_Base, pb_grpc.RuntimeServicer):
@@ -123,7 +138,8 @@ class AdminServicer(_Base, pb_grpc.AdminServicer):
     ForgetSource = _handler(rpc_sources.forget, "ForgetSource")
 
 
-def add_to_server(server: grpc.Server, components: Components, *, ready: Callable[[], bool], admin: bool) -> None:
+def add_to_server(server: grpc.Server, components: Components, *, ready: Callable[[], bool], admin: bool,
+                  admission: StreamAdmission) -> None:
     """Registers both services on ``server``.
 
     Args:
@@ -131,6 +147,10 @@ def add_to_server(server: grpc.Server, components: Components, *, ready: Callabl
         components: the daemon's components the handlers call.
         ready: the daemon's readiness (recovery done).
         admin: True for the admin socket (mutating admin rpcs allowed).
+        admission: the stream caps of this socket (one per socket: each has
+            its own thread pool).
     """
-    pb_grpc.add_RuntimeServicer_to_server(RuntimeServicer(components, ready=ready, admin=admin), server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(components, ready=ready, admin=admin), server)
+    pb_grpc.add_RuntimeServicer_to_server(
+        RuntimeServicer(components, ready=ready, admin=admin, admission=admission), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(components, ready=ready, admin=admin, admission=admission),
+                                        server)

@@ -125,7 +125,10 @@ class Stress:
 
 def run_stress(make_daemon_fixture, tmp_path, seconds: float) -> Stress:
     conf = tmp_path / "stress.toml"
-    conf.write_text('capacity = "16MiB"\ngc_interval_s = 0.1\n')
+    # All 16 clients live in this one process, whose streams (16 sessions
+    # plus publications) exceed the default per-process stream cap of a
+    # node where each worker is its own process: raised for this topology.
+    conf.write_text('capacity = "16MiB"\ngc_interval_s = 0.1\nmax_streams_per_peer = 48\n')
     d = make_daemon_fixture("--config", str(conf))
     s = Stress(d, seconds)
     threads = [threading.Thread(target=s.client_loop, args=(n,)) for n in range(CLIENTS)]

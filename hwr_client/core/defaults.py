@@ -25,6 +25,14 @@ MESSAGE_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
+#: The daemon's peer-credentials socket is the runtime socket's path plus
+#: this suffix (same directory, same mode): a client connects, the daemon
+#: reads the kernel's SO_PEERCRED and answers a token (hwr_server.peers).
+PEER_SOCKET_SUFFIX = ".cred"
+
+#: gRPC metadata key under which a client sends that token on every call.
+PEER_TOKEN_METADATA = "hwr-peer-token"
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 # One letter (k, m, g, t, p) and the IEC names are binary; "KB", "MB"... are
 # decimal, as on a disk's label.
