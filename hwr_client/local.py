@@ -17,8 +17,8 @@ from typing import Mapping
 import torch
 import xxhash
 
-from hwr_client.core.manifest import Manifest, build_manifest
-from hwr_client.core.plan import PlanSpec, check_plan
+from hwr_client.core.manifest import Manifest
+from hwr_client.core.plan import PlanSpec, build_manifest, check_plan
 from hwr_client.tensors import iter_payload, tensor_bytes
 
 CHUNK = 4 * 1024 * 1024

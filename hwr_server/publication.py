@@ -65,9 +65,16 @@ from hwr_client.core.errors import (
     NotFound,
     ResourceExhausted,
 )
-from hwr_client.core.manifest import build_manifest
 from hwr_client.core.layout import MAX_HEADER_BYTES
-from hwr_client.core.plan import CheckedPlan, PlanLimits, check_plan, check_plan_message, check_plan_sizes, from_proto
+from hwr_client.core.plan import (
+    CheckedPlan,
+    PlanLimits,
+    build_manifest,
+    check_plan,
+    check_plan_message,
+    check_plan_sizes,
+    from_proto,
+)
 from hwr_server import commit as durable
 from hwr_server.hashing import WholeHasher, _Stage, parts_from_plan, readback, set_native_thread_name
 from hwr_server.peers import ANONYMOUS, Peer

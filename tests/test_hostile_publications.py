@@ -26,8 +26,8 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.core.identity import Identity, is_key
 from hwr_client.core.layout import MAX_DIM, TensorSpec
-from hwr_client.core.manifest import Manifest, planned_manifest_bytes
-from hwr_client.core.plan import check_plan, to_proto
+from hwr_client.core.manifest import Manifest
+from hwr_client.core.plan import check_plan, planned_manifest_bytes, to_proto
 from hwr_client.tensors import build_plan, iter_payload
 from hwr_server.config import ServerConfig
 from hwr_server.peers import Peer
@@ -615,8 +615,9 @@ def test_a_plan_evicts_nothing_until_its_payload_arrives(tmp_path):
             report = client.publish(identity(t="new"), big(3))
             keys = {a.key for a in client.call(client.admin.ListArtifacts, pb.ListArtifactsRequest()).artifacts}
             assert report.key in keys and not kept <= keys
-        assert any("for publication" in line and "(anonymous)" in line and "gc" in line
-                   for line in d.log().splitlines())
+        # The peer is this test process, as the credentials handshake proved it.
+        peer = f"(pid {os.getpid()} (uid {os.getuid()}))"
+        assert any("for publication" in line and peer in line and "gc" in line for line in d.log().splitlines())
     finally:
         cleanup(d)
 

@@ -16,15 +16,12 @@ import hashlib
 import json
 import operator
 import re
-import time
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Iterable, Mapping, Sequence, TypeVar
 
 from hwr_client.core.errors import InvalidArgument
 from hwr_client.core.identity import Identity
 from hwr_client.core.layout import DTYPE_SIZES, MAX_DIM, check_shape_bound, check_tensor_names
 
-if TYPE_CHECKING:
-    from hwr_client.core.plan import CheckedPlan
 
 #: The manifest document's ``format`` and ``format_version``.
 FORMAT = "hwr-manifest"
@@ -414,49 +411,3 @@ def _frozen(cls: type[_Entry], values: dict[str, Any]) -> _Entry:
     # A frozen dataclass's __setattr__ refuses every field; object's does not.
     object.__setattr__(entry, "__dict__", values)
     return entry
-
-
-# ------------------------------------------------------------------ writing
-
-
-def planned_manifest_bytes(checked: "CheckedPlan") -> int:
-    """The UTF-8 size of the manifest a publication of ``checked`` will
-    store: the manifest built with placeholder digests of the real lengths,
-    so the figure is exact (``created_unix`` has the same digits until 2286).
-    Costs one manifest build, O(tensors)."""
-    sha, xxh = "0" * 64, "0" * 32
-    tensors = {spec.name: sha for lay in checked.layouts for spec in lay.tensors}
-    manifest = build_manifest(checked, [(sha, xxh)] * len(checked.layouts), tensors, [xxh] * len(checked.blocks))
-    return len(manifest.to_json().encode("utf-8"))
-
-
-def build_manifest(
-    checked: CheckedPlan,
-    file_digests: Sequence[tuple[str, str]],
-    tensor_digests: Mapping[str, str],
-    block_xxh: Sequence[str],
-    *,
-    created_unix: int | None = None,
-) -> Manifest:
-    """Assembles the manifest from a checked plan and the computed digests:
-    the one builder the daemon's publication and the reference writer share.
-
-    Args:
-        file_digests: per file (sha256 hex, xxh3_128 hex).
-        tensor_digests: tensor name -> sha256 hex.
-        block_xxh: per block xxh3_128 hex.
-    """
-    plan = checked.plan
-    files = tuple(
-        FileEntry(i, f.name, file_digests[i][0], lay.file_size, file_digests[i][1], lay.data_start)
-        for i, (f, lay) in enumerate(zip(plan.files, checked.layouts))
-    )
-    tensors = tuple(
-        TensorEntry(spec.name, fi, spec.dtype, spec.shape, lay.data_start + off, spec.nbytes, tensor_digests[spec.name])
-        for fi, lay in enumerate(checked.layouts)
-        for spec, off in zip(lay.tensors, lay.tensor_offsets)
-    )
-    blocks = tuple(BlockEntry(b.index, b.prefix, b.file, b.begin, b.end, block_xxh[b.index], b.tensors) for b in checked.blocks)
-    digest = content_digest((t.name, t.dtype, t.shape, t.sha256) for t in tensors)
-    created = int(time.time()) if created_unix is None else created_unix
-    return Manifest(plan.identity.key, plan.identity, digest, created, files, tensors, blocks)

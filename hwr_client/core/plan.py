@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
+import time
+from typing import Mapping, Sequence
 
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import InvalidArgument, ResourceExhausted
 from hwr_client.core.identity import Identity
 from hwr_client.core.layout import MAX_HEADER_BYTES, FileLayout, TensorSpec, layout_file
 # manifest imports this module only for type annotations: no import cycle.
-from hwr_client.core.manifest import planned_manifest_bytes
+from hwr_client.core.manifest import (
+    BlockEntry,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    content_digest,
+)
 
 #: Default size at which block files are split: blocks are packed into files
 #: of about this size (a block is never split across files).
@@ -307,3 +314,47 @@ def from_proto(msg: pb.PublishPlan) -> PlanSpec:
     )
     blocks = tuple(BlockSpec(b.index, b.prefix, tuple(b.tensors)) for b in msg.blocks)
     return PlanSpec(identity, files, blocks, msg.ordered, msg.declared_content_digest)
+
+
+def build_manifest(
+    checked: CheckedPlan,
+    file_digests: Sequence[tuple[str, str]],
+    tensor_digests: Mapping[str, str],
+    block_xxh: Sequence[str],
+    *,
+    created_unix: int | None = None,
+) -> Manifest:
+    """Assembles the manifest from a checked plan and the computed digests:
+    the one builder the daemon's publication and the reference writer share.
+    It lives with the plan (the plan imports the manifest, never the reverse).
+
+    Args:
+        file_digests: per file (sha256 hex, xxh3_128 hex).
+        tensor_digests: tensor name -> sha256 hex.
+        block_xxh: per block xxh3_128 hex.
+    """
+    plan = checked.plan
+    files = tuple(
+        FileEntry(i, f.name, file_digests[i][0], lay.file_size, file_digests[i][1], lay.data_start)
+        for i, (f, lay) in enumerate(zip(plan.files, checked.layouts))
+    )
+    tensors = tuple(
+        TensorEntry(spec.name, fi, spec.dtype, spec.shape, lay.data_start + off, spec.nbytes, tensor_digests[spec.name])
+        for fi, lay in enumerate(checked.layouts)
+        for spec, off in zip(lay.tensors, lay.tensor_offsets)
+    )
+    blocks = tuple(BlockEntry(b.index, b.prefix, b.file, b.begin, b.end, block_xxh[b.index], b.tensors) for b in checked.blocks)
+    digest = content_digest((t.name, t.dtype, t.shape, t.sha256) for t in tensors)
+    created = int(time.time()) if created_unix is None else created_unix
+    return Manifest(plan.identity.key, plan.identity, digest, created, files, tensors, blocks)
+
+
+def planned_manifest_bytes(checked: CheckedPlan) -> int:
+    """The UTF-8 size of the manifest a publication of ``checked`` will
+    store: the manifest built with placeholder digests of the real lengths,
+    so the figure is exact (``created_unix`` has the same digits until 2286).
+    Costs one manifest build, O(tensors)."""
+    sha, xxh = "0" * 64, "0" * 32
+    tensors = {spec.name: sha for lay in checked.layouts for spec in lay.tensors}
+    manifest = build_manifest(checked, [(sha, xxh)] * len(checked.layouts), tensors, [xxh] * len(checked.blocks))
+    return len(manifest.to_json().encode("utf-8"))
