@@ -76,6 +76,8 @@ from hwr_client.core.plan import (
     from_proto,
 )
 from hwr_server import commit as durable
+from hwr_server.publication_limits import PeerShares, RequestPump, plan_limits
+from hwr_server.staging_io import Coverage, fsync_close, os_error, pwrite_all
 from hwr_server.hashing import WholeHasher, _Stage, parts_from_plan, readback, set_native_thread_name
 from hwr_server.peers import ANONYMOUS, Peer
 
@@ -89,235 +91,6 @@ MAX_OPEN_FILES = 8
 #: Finished files (ordered mode) whose background fsync may be pending, each
 #: holding its descriptor until fsynced; the writer waits beyond that.
 MAX_PENDING_FSYNCS = 8
-#: The largest manifest ever published, whatever the config says: it must
-#: fit one gRPC message (Lookup, AcquireLease) with room for the reply's
-#: other fields.
-MANIFEST_CEILING_BYTES = MAX_MESSAGE_BYTES * 3 // 4
-#: The largest tensor name the format allows (layout.check_tensor_name).
-NAME_CEILING_BYTES = 1024
-
-
-def plan_limits(config: Any) -> PlanLimits:
-    """The plan limits of a ServerConfig, each capped by what the format and
-    the wire allow (a config asking for more gets the ceiling)."""
-    return PlanLimits(
-        max_artifact_tensors=int(config.max_artifact_tensors),
-        max_artifact_files=int(config.max_artifact_files),
-        max_tensor_name_bytes=min(int(config.max_tensor_name_bytes), NAME_CEILING_BYTES),
-        max_tensor_dims=int(config.max_tensor_dims),
-        max_header_bytes=min(int(config.max_header_bytes), MAX_HEADER_BYTES),
-        max_manifest_bytes=min(int(config.max_manifest_bytes), MANIFEST_CEILING_BYTES),
-    )
-
-
-# ---------------------------------------------------------------------------
-# Admission: per-peer shares and the idle deadline
-# ---------------------------------------------------------------------------
-
-
-class PeerShares:
-    """Per-peer publication accounting (DESIGN §16), keyed by ``Peer.key``:
-    the slots each peer's publications hold and the bytes they reserved.
-    Thread-safe; one per store."""
-
-    def __init__(self) -> None:
-        #: Guards both maps; notified when a slot is released.
-        self._cond = threading.Condition()
-        self._slots: dict[str, int] = {}
-        self._bytes: dict[str, int] = {}
-
-    def acquire_slot(self, peer: str, cap: int, is_active: Callable[[], bool], what: str) -> None:
-        """Waits until ``peer`` holds fewer than ``cap`` slots, then takes one.
-
-        A peer over its share waits for one of its OWN publications to end,
-        holding no global slot meanwhile, so it cannot keep others waiting.
-
-        Raises:
-            InvalidArgument: the caller went away while waiting.
-        """
-        with self._cond:
-            while self._slots.get(peer, 0) >= cap:
-                # A timed wait: a caller that left must be noticed even when
-                # no slot is released.
-                self._cond.wait(timeout=0.5)
-                if not is_active():
-                    raise InvalidArgument(f"{what}: caller went away while waiting for one of its "
-                                          f"{cap} publication slots (max_publications_per_peer)")
-            self._slots[peer] = self._slots.get(peer, 0) + 1
-
-    def release_slot(self, peer: str) -> None:
-        """Returns a slot taken by :meth:`acquire_slot`."""
-        with self._cond:
-            left = self._slots.get(peer, 0) - 1
-            if left > 0:
-                self._slots[peer] = left
-            else:
-                self._slots.pop(peer, None)
-            self._cond.notify_all()
-
-    def reserve(self, peer: str, nbytes: int, cap: int, what: str) -> None:
-        """Adds ``nbytes`` to what ``peer`` has reserved, unless it already
-        reserves something and the sum would exceed ``cap``: a peer's first
-        publication may be as large as capacity allows (the capacity check
-        decides), but it cannot hold more than ``cap`` bytes in several.
-
-        Raises:
-            ResourceExhausted: naming the peer's figures and the config field.
-        """
-        with self._cond:
-            held = self._bytes.get(peer, 0)
-            if held and held + nbytes > cap:
-                raise ResourceExhausted(
-                    f"{what}: {nbytes} bytes on top of the {held} bytes the peer's other publications reserve "
-                    f"exceeds the per-peer limit {cap} bytes (ServerConfig.peer_reserved_bytes); finish or "
-                    "cancel those first"
-                )
-            self._bytes[peer] = held + nbytes
-
-    def unreserve(self, peer: str, nbytes: int) -> None:
-        """Returns bytes added by :meth:`reserve`."""
-        with self._cond:
-            left = self._bytes.get(peer, 0) - nbytes
-            if left > 0:
-                self._bytes[peer] = left
-            else:
-                self._bytes.pop(peer, None)
-
-    def held(self, peer: str) -> tuple[int, int]:
-        """(slots, reserved bytes) ``peer`` holds now."""
-        with self._cond:
-            return self._slots.get(peer, 0), self._bytes.get(peer, 0)
-
-
-class RequestPump:
-    """Reads a request stream on its own thread, so the handler can wait for
-    the next message with a deadline (grpc's request iterator has none).
-
-    At most one message waits in the hand-over queue and one in the reader's
-    hand: memory stays bounded and a fast sender is throttled as before. The
-    reader ends by itself once the call ends (grpc then ends the iterator).
-
-    Args:
-        requests: the rpc's request iterator.
-        idle_s: longest wait for a message, seconds; 0 = no deadline.
-        what: names the publication in the Aborted error.
-    """
-
-    _END = object()
-
-    def __init__(self, requests: Iterator[Any], *, idle_s: float, what: str):
-        self.idle_s = idle_s
-        self.what = what
-        self._q: queue.Queue = queue.Queue(maxsize=1)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(requests,), name="hwr-pub-reader", daemon=True)
-        self._thread.start()
-
-    def _read(self, requests: Iterator[Any]) -> None:
-        try:
-            for req in requests:
-                if not self._put(req):
-                    return
-            self._put(self._END)
-        except BaseException as exc:  # noqa: BLE001 - handed to the handler (a cancelled call, mostly)
-            self._put(exc)
-
-    def _put(self, item: object) -> bool:
-        # Timed puts: when the handler stopped taking (it failed or timed
-        # out), the reader must notice and end rather than block for ever.
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def next(self) -> Any:
-        """The next request, or None when the stream ended.
-
-        Raises:
-            Aborted: no message within ``idle_s`` (``publication_idle_s``).
-            Whatever reading the stream raised (a cancelled call).
-        """
-        try:
-            item = self._q.get(timeout=self.idle_s or None)
-        except queue.Empty:
-            raise Aborted(
-                f"{self.what}: no message for {self.idle_s:g} s (ServerConfig.publication_idle_s); the "
-                "publication is ended, its staging removed and its reservation freed; publish again"
-            ) from None
-        if item is self._END:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        """Tells the reader to stop handing over; it exits when the call ends."""
-        self._stop.set()
-
-
-# ---------------------------------------------------------------------------
-# Writing
-# ---------------------------------------------------------------------------
-
-
-def _os_error(exc: OSError, what: str) -> HwrError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ResourceExhausted(f"{what}: the disk is full ({exc.strerror}); free space or run `hwr gc`")
-    if exc.errno in (errno.EMFILE, errno.ENFILE):
-        # The daemon's (or the system's) file descriptors: a capacity, not a bug.
-        return ResourceExhausted(f"{what}: out of file descriptors ({exc.strerror}); retry when fewer "
-                                 "publications run, or raise the daemon's LimitNOFILE")
-    return Internal(f"{what}: {exc.strerror or exc}")
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    mv = memoryview(data)
-    while mv:
-        n = os.pwrite(fd, mv, offset)
-        mv, offset = mv[n:], offset + n
-
-
-class Coverage:
-    """Which byte ranges of a data region have been written (unordered mode)."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._begins: list[int] = []
-        self._ends: list[int] = []
-        self.covered = 0
-
-    def add(self, begin: int, end: int, what: str) -> None:
-        """Records [begin, end).
-
-        Raises:
-            InvalidArgument: the range overlaps bytes already written.
-        """
-        i = bisect.bisect_right(self._begins, begin)
-        if (i > 0 and self._ends[i - 1] > begin) or (i < len(self._begins) and self._begins[i] < end):
-            raise InvalidArgument(f"{what}: chunk [{begin}, {end}) overlaps bytes already sent")
-        if i > 0 and self._ends[i - 1] == begin:  # merge with the left neighbour
-            i -= 1
-            self._ends[i] = end
-        else:
-            self._begins.insert(i, begin)
-            self._ends.insert(i, end)
-        if i + 1 < len(self._begins) and self._begins[i + 1] == self._ends[i]:  # and the right one
-            self._ends[i] = self._ends.pop(i + 1)
-            self._begins.pop(i + 1)
-        self.covered += end - begin
-
-    def first_gap(self) -> tuple[int, int] | None:
-        pos = 0
-        for b, e in zip(self._begins, self._ends):
-            if b > pos:
-                return pos, b
-            pos = e
-        return (pos, self.size) if pos < self.size else None
-
-
 @dataclasses.dataclass(frozen=True)
 class Committed:
     key: str
@@ -446,11 +219,11 @@ class Publication:
                 # again: a plan of many files holds none while it waits.
                 fd = os.open(self._file_path(i), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 try:
-                    _pwrite_all(fd, lay.header, 0)
+                    pwrite_all(fd, lay.header, 0)
                 finally:
                     os.close(fd)
         except OSError as exc:
-            raise _os_error(exc, f"{self._what()} staging") from None
+            raise os_error(exc, f"{self._what()} staging") from None
         log.info("publication %s of %s for %s: %d files, %d bytes, ordered=%s", self.pub_id, self.key[:12],
                  self.peer.key, self.n_files, total, self.checked.plan.ordered)
 
@@ -478,7 +251,7 @@ class Publication:
             try:
                 os.posix_fallocate(self._fd(i), 0, lay.file_size)
             except OSError as exc:
-                raise _os_error(exc, f"{self._what()} file {i}") from None
+                raise os_error(exc, f"{self._what()} file {i}") from None
         if self.checked.plan.ordered:
             self._stages = [
                 _Stage(lambda it: self._whole[it[0]].update(it[1]), f"hwr-sha-file-{self.pub_id[:6]}"),
@@ -577,14 +350,14 @@ class Publication:
                 try:
                     pending[0].result()  # each pending fsync holds a descriptor: bound them
                 except OSError as exc:
-                    raise _os_error(exc, f"{what}: fsync") from None
-            self._fsyncs.append(self._fsync_pool.submit(_fsync_close, fd))
+                    raise os_error(exc, f"{what}: fsync") from None
+            self._fsyncs.append(self._fsync_pool.submit(fsync_close, fd))
 
     def _pwrite(self, fi: int, offset: int, data: bytes, what: str) -> None:
         try:
-            _pwrite_all(self._fd(fi), data, self.checked.layouts[fi].data_start + offset)
+            pwrite_all(self._fd(fi), data, self.checked.layouts[fi].data_start + offset)
         except OSError as exc:
-            raise _os_error(exc, what) from None
+            raise os_error(exc, what) from None
 
     # -- commit -----------------------------------------------------------------
 
@@ -636,7 +409,7 @@ class Publication:
         try:
             text = durable.publish(self.store, staged, manifest, self._moved)
         except OSError as exc:
-            raise _os_error(exc, f"publication {self.pub_id} commit") from None
+            raise os_error(exc, f"publication {self.pub_id} commit") from None
         self._done = True
         seconds = time.monotonic() - self.started
         self.store.count("committed", nbytes=self.bytes_written, seconds=seconds)
@@ -701,7 +474,7 @@ class Publication:
         if fd is not None:
             os.fsync(fd)
             return
-        _fsync_close(os.open(self._file_path(i), os.O_RDONLY | os.O_CLOEXEC))
+        fsync_close(os.open(self._file_path(i), os.O_RDONLY | os.O_CLOEXEC))
 
     def _collect(self) -> tuple[list, dict, list]:
         problems = [p for parts in self._parts for p in parts.problems]
@@ -762,14 +535,6 @@ class Publication:
             self._counted = True
             self.store.count("failed", nbytes=0, seconds=time.monotonic() - self.started)
             log.info("publication %s of %s ended without commit; staging removed", self.pub_id, self.key[:12])
-
-
-def _fsync_close(fd: int) -> None:
-    """fsyncs then closes ``fd`` (closed even when the fsync fails)."""
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _declared_tensors(msg: pb.PublishPlan) -> dict[str, str]:

@@ -17,7 +17,8 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from hwr_client.core.identity import check_key
 from hwr_server.peers import peer_of
-from hwr_server.publication import Publication, RequestPump
+from hwr_server.publication import Publication
+from hwr_server.publication_limits import RequestPump
 from hwr_server.rpc_leases import lease_info_pb
 from hwr_server.store import ArtifactSummary, summary_of
 

@@ -33,7 +33,7 @@ from hwr_server import commit
 from hwr_server.commit import dir_bytes
 from hwr_server.config import ServerConfig
 from hwr_server.interfaces import CapacityHook
-from hwr_server.publication import PeerShares
+from hwr_server.publication_limits import PeerShares
 from hwr_server.recovery import RecoveryReport, Untrusted, open_stored, read_stored, recover, verify_artifact
 from hwr_server.scrub import ReportedVerify
 

@@ -31,7 +31,8 @@ from hwr_client.core.plan import check_plan, planned_manifest_bytes, to_proto
 from hwr_client.tensors import build_plan, iter_payload
 from hwr_server.config import ServerConfig
 from hwr_server.peers import Peer
-from hwr_server.publication import Publication, _os_error
+from hwr_server.publication import Publication
+from hwr_server.staging_io import os_error
 from hwr_server.store import Store
 from tests.conftest import identity, sample_tensors
 from tests.daemon import cleanup, make_daemon
@@ -472,8 +473,8 @@ def test_a_plan_of_many_files_holds_few_descriptors(tmp_path):
 
 
 def test_out_of_descriptors_is_resource_exhausted(tmp_path):
-    assert isinstance(_os_error(OSError(errno.EMFILE, "Too many open files"), "x"), ResourceExhausted)
-    assert isinstance(_os_error(OSError(errno.ENFILE, "File table overflow"), "x"), ResourceExhausted)
+    assert isinstance(os_error(OSError(errno.EMFILE, "Too many open files"), "x"), ResourceExhausted)
+    assert isinstance(os_error(OSError(errno.ENFILE, "File table overflow"), "x"), ResourceExhausted)
     store = Store(ServerConfig(root=str(tmp_path / "root")))
     store.recover()
     msg = to_proto(build_plan(identity(t="emfile"), sample_tensors()))

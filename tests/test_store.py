@@ -26,7 +26,8 @@ from hwr_server import failpoints
 from hwr_server import publication as publication_mod
 from hwr_server.config import ServerConfig
 from hwr_server.metrics import store_stats
-from hwr_server.publication import Coverage, Publication
+from hwr_server.publication import Publication
+from hwr_server.staging_io import Coverage
 from hwr_server.store import Store
 from tests.conftest import identity, sample_tensors
 
