@@ -28,7 +28,6 @@ from hwr_client.channel import RuntimeChannel
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import Internal, InvalidArgument, from_rpc_error
 from hwr_client.core.identity import Identity
-from hwr_client.core.layout import TensorSpec
 from hwr_client.core.manifest import Manifest
 from hwr_client.core.plan import FILE_TARGET_BYTES, CheckedPlan, check_plan, to_proto
 from hwr_client.tensors import build_plan, iter_payload, spec_of

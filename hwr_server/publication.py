@@ -40,35 +40,27 @@ The hashers live in :mod:`hwr_server.hashing` (deep verification uses them too).
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
-import errno
 import logging
 import os
-import queue
 import shutil
-import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from hwr_client.core._proto import hwr_pb2 as pb
-from hwr_client.core.defaults import MAX_MESSAGE_BYTES
 from hwr_client.core.errors import (
     Aborted,
     FailedPrecondition,
     HwrError,
-    Internal,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
-from hwr_client.core.layout import MAX_HEADER_BYTES
 from hwr_client.core.plan import (
     CheckedPlan,
-    PlanLimits,
     build_manifest,
     check_plan,
     check_plan_message,
@@ -76,7 +68,7 @@ from hwr_client.core.plan import (
     from_proto,
 )
 from hwr_server import commit as durable
-from hwr_server.publication_limits import PeerShares, RequestPump, plan_limits
+from hwr_server.publication_limits import plan_limits
 from hwr_server.staging_io import Coverage, fsync_close, os_error, pwrite_all
 from hwr_server.hashing import WholeHasher, _Stage, parts_from_plan, readback, set_native_thread_name
 from hwr_server.peers import ANONYMOUS, Peer

@@ -20,7 +20,7 @@ from hwr_server.peers import peer_of
 from hwr_server.publication import Publication
 from hwr_server.publication_limits import RequestPump
 from hwr_server.rpc_leases import lease_info_pb
-from hwr_server.store import ArtifactSummary, summary_of
+from hwr_server.records import ArtifactSummary, summary_of
 
 if TYPE_CHECKING:
     from hwr_server.daemon import Components

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from hwr_client.core.errors import HwrError, Internal, InvalidArgument, ResourceExhausted
+from hwr_server.recovery import Untrusted, open_stored
 
 def os_error(exc: OSError, what: str) -> HwrError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -78,3 +79,35 @@ def fsync_close(fd: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+#: Bytes compared at a time when a publication's blob is already stored.
+COMPARE_BYTES = 1 << 20
+
+
+def file_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of ``path`` itself (not a link's target), or None."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def same_bytes(stored: str, staged: str, size: int) -> tuple[int, int] | None:
+    """(device, inode) of ``stored`` when it is a regular file of ours whose
+    ``size`` bytes equal ``staged``'s; None otherwise (missing, a link, another
+    size or other bytes)."""
+    try:
+        fd, st = open_stored(stored, what=f"blob {os.path.basename(stored)[:12]}")
+    except (FileNotFoundError, Untrusted):
+        return None
+    with os.fdopen(fd, "rb", buffering=0) as a, open(staged, "rb", buffering=0) as b:
+        if st.st_size != size:
+            return None
+        while True:
+            x, y = a.read(COMPARE_BYTES), b.read(COMPARE_BYTES)
+            if x != y:
+                return None
+            if not x:
+                return st.st_dev, st.st_ino

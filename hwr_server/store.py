@@ -19,7 +19,6 @@ This module owns the index; one lock (``_lock``, lent to those sequences as
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
@@ -34,7 +33,9 @@ from hwr_server.commit import dir_bytes
 from hwr_server.config import ServerConfig
 from hwr_server.interfaces import CapacityHook
 from hwr_server.publication_limits import PeerShares
-from hwr_server.recovery import RecoveryReport, Untrusted, open_stored, read_stored, recover, verify_artifact
+from hwr_server.records import ArtifactSummary, DirEntry, StoreFigures, VerifyResult, summary_of
+from hwr_server.recovery import RecoveryReport, Untrusted, read_stored, recover, verify_artifact
+from hwr_server.staging_io import file_identity, same_bytes
 from hwr_server.scrub import ReportedVerify
 
 log = logging.getLogger(__name__)
@@ -43,77 +44,6 @@ MANIFEST = "manifest.json"
 #: Free space kept on the disk beyond a publication's own bytes: 1% of the
 #: disk, at most this much.
 DISK_MARGIN_BYTES = 64 * 1024 * 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class ArtifactSummary:
-    """One row of ``hwr ls``: a published or quarantined artifact."""
-
-    key: str
-    state: str  # "published" | "quarantined"
-    contract_name: str = ""
-    contract_version: int = 0
-    producer_id: str = ""
-    producer_version: str = ""
-    size_bytes: int = 0
-    file_count: int = 0
-    tensor_count: int = 0
-    block_count: int = 0
-    created_unix: int = 0
-    reason: str = ""
-    entry: str = ""  # quarantine directory name, empty when published
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyResult:
-    """Outcome of a deep verification of one artifact."""
-
-    key: str
-    ok: bool
-    problems: tuple[str, ...]
-    bytes_checked: int
-    bad_blobs: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreFigures:
-    """What the store counts and holds; :func:`hwr_server.metrics.store_stats`
-    gives them their GetStats / Prometheus names."""
-
-    #: Publication outcome (committed, already_published, conflict,
-    #: rejected, failed) -> count since start.
-    publications: dict[str, int]
-    #: Payload bytes received by publications (counted at their end).
-    publication_bytes: int
-    #: Seconds spent in publications.
-    publication_seconds: float
-    #: Deep verifications that found corruption.
-    verify_failures: int
-    artifacts_published: int
-    artifacts_quarantined: int
-    #: Unique payload bytes of published artifacts (a shared blob once).
-    bytes_published: int
-    bytes_quarantined: int
-    bytes_staging: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DirEntry:
-    """A staging or quarantine directory and the bytes it holds."""
-
-    name: str
-    bytes: int
-    #: staging only: a publication (or a delete) is using it right now.
-    in_flight: bool = False
-
-
-def summary_of(manifest: Manifest, state: str = "published", *, reason: str = "", entry: str = "") -> ArtifactSummary:
-    doc = manifest.identity.document
-    return ArtifactSummary(
-        manifest.key, state, doc["contract"]["name"], doc["contract"]["version"], doc["producer"]["id"],
-        doc["producer"]["version"], manifest.size_bytes, len(manifest.files), len(manifest.tensors),
-        len(manifest.blocks), manifest.created_unix, reason, entry,
-    )
 
 
 class Store:
@@ -382,10 +312,10 @@ class Store:
         # Outside the lock: comparing may read gigabytes, and every lookup,
         # lease and commit waits on the lock. The inode compared is checked
         # again under the lock below.
-        same = _same_bytes(dest, staged, size)
+        same = same_bytes(dest, staged, size)
         with self._lock:
             self._pending_blobs.setdefault(key, set()).add(digest)
-            if same is not None and digest not in self._bad_blobs and _identity_of(dest) == same:
+            if same is not None and digest not in self._bad_blobs and file_identity(dest) == same:
                 os.unlink(staged)
                 return False
             if os.path.lexists(dest):
@@ -557,38 +487,6 @@ class Store:
                 bytes_published=sum({f.blob: f.size for m in self._index.values() for f in m.files}.values()),
                 bytes_quarantined=quarantined_bytes, bytes_staging=staging_bytes,
             )
-
-
-#: Bytes compared at a time when a publication's blob is already stored.
-_COMPARE_BYTES = 1 << 20
-
-
-def _identity_of(path: str) -> tuple[int, int] | None:
-    """(device, inode) of ``path`` itself (not a link's target), or None."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _same_bytes(stored: str, staged: str, size: int) -> tuple[int, int] | None:
-    """(device, inode) of ``stored`` when it is a regular file of ours whose
-    ``size`` bytes equal ``staged``'s; None otherwise (missing, a link, another
-    size or other bytes)."""
-    try:
-        fd, st = open_stored(stored, what=f"blob {os.path.basename(stored)[:12]}")
-    except (FileNotFoundError, Untrusted):
-        return None
-    with os.fdopen(fd, "rb", buffering=0) as a, open(staged, "rb", buffering=0) as b:
-        if st.st_size != size:
-            return None
-        while True:
-            x, y = a.read(_COMPARE_BYTES), b.read(_COMPARE_BYTES)
-            if x != y:
-                return None
-            if not x:
-                return st.st_dev, st.st_ino
 
 
 def _check_entry(name: str) -> None:

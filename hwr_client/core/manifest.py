@@ -16,7 +16,7 @@ import hashlib
 import json
 import operator
 import re
-from typing import Any, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Iterable, TypeVar
 
 from hwr_client.core.errors import InvalidArgument
 from hwr_client.core.identity import Identity
