@@ -15,7 +15,8 @@ with fake registrars. This module only talks to the CUDA runtime:
   kernel had failed).
 
 The runtime library is the one already loaded into the process by torch
-(found in ``/proc/self/maps``), so the error state we clear is torch's. When
+(found in ``/proc/self/maps`` by name pattern, torch's own copy preferred:
+:func:`choose_cudart`), so the error state we clear is torch's. When
 no shared ``libcudart`` is loaded (a static build), registration falls back to
 ``torch.cuda.cudart()`` for register/unregister and the probe reports that
 errors cannot be cleared, which makes the registrar decline registration:
@@ -27,11 +28,15 @@ runtime" → "What ran where"); it follows the CUDA runtime API reference.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import errno
 import logging
 import os
-from typing import Protocol
+import re
+import threading
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -115,18 +120,172 @@ class NullRegistrar:
         return 0
 
 
-def _loaded_cudart_path() -> str | None:
-    """Path of the libcudart shared object mapped into this process, if any."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rsplit(" ", 1)[-1].strip()
-                if "libcudart.so" in os.path.basename(path):
-                    return path
-    except OSError:
-        return None
-    return None
+#: A CUDA runtime shared object: ``libcudart.so``, ``libcudart.so.12``,
+#: ``libcudart.so.12.4.127`` and the hashed copies wheels vendor
+#: (``libcudart-<hash>.so.12``, auditwheel's renaming).
+CUDART_NAME = re.compile(r"^libcudart(?:-[0-9A-Za-z]+)?\.so(?:\.\d+)*$")
 
+
+def cudart_candidates(maps_text: str) -> list[str]:
+    """Distinct paths of mapped CUDA runtimes in ``/proc/<pid>/maps`` text,
+    in the order they first appear."""
+    out: list[str] = []
+    for line in maps_text.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) < 6:
+            continue  # anonymous mapping: no path
+        path = fields[5].strip()
+        if CUDART_NAME.match(os.path.basename(path)) and path not in out:
+            out.append(path)
+    return out
+
+
+def _torch_lib_dirs() -> list[str]:
+    """Directories where torch's own libcudart lives: torch/lib (a bundled
+    build) and the nvidia-cuda-runtime wheel next to torch (pip builds)."""
+    root = os.path.dirname(os.path.abspath(torch.__file__))
+    site = os.path.dirname(root)
+    return [os.path.join(root, "lib"), os.path.join(site, "nvidia", "cuda_runtime")]
+
+
+def choose_cudart(candidates: Sequence[str], preferred_dirs: Sequence[str]) -> str | None:
+    """The runtime to bind: the first candidate under one of
+    ``preferred_dirs`` (torch's copy, whose error state torch checks), else the
+    first candidate, else None."""
+    prefixes = [os.path.join(os.path.realpath(d), "") for d in preferred_dirs]
+    for path in candidates:
+        real = os.path.realpath(path)
+        if any(real.startswith(p) or path.startswith(p) for p in prefixes):
+            return path
+    return candidates[0] if candidates else None
+
+
+def _loaded_cudart_path(maps_text: str | None = None) -> str | None:
+    """Path of the libcudart mapped into this process (torch's preferred);
+    logs the choice and the other candidates."""
+    if maps_text is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps_text = f.read()
+        except OSError:
+            return None
+    candidates = cudart_candidates(maps_text)
+    path = choose_cudart(candidates, _torch_lib_dirs())
+    if path is not None:
+        log.info("host registration binds libcudart at %s (candidates: %s)", path, ", ".join(candidates))
+    return path
+
+
+# --- pre-faulting --------------------------------------------------------------------------------
+
+#: madvise advice values (linux/mman.h); MADV_POPULATE_READ needs Linux 5.14.
+MADV_WILLNEED = 3
+MADV_POPULATE_READ = 22
+#: Threads that populate one range; cudaHostRegister faults single-threaded.
+PREFAULT_THREADS = 4
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+Madvise = Callable[[int, int, int], int]  # (address, nbytes, advice) -> 0 or an errno
+
+
+def _libc_madvise() -> Madvise:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+
+    def madvise(address: int, nbytes: int, advice: int) -> int:
+        if fn(ctypes.c_void_p(address), nbytes, advice) == 0:
+            return 0
+        return ctypes.get_errno() or errno.EIO
+
+    return madvise
+
+
+def prefault(address: int, nbytes: int, *, threads: int = PREFAULT_THREADS, madvise: Madvise | None = None) -> str:
+    """Faults a mapped range into memory before ``cudaHostRegister`` pins it.
+
+    The driver pins with ``pin_user_pages`` single-threaded under the mmap
+    lock, reading cold pages from disk inside the call (and holding driver
+    locks other processes' CUDA calls wait on). Populating first, from
+    ``threads`` threads over page-aligned slices, moves that I/O out of the
+    call. ``MADV_POPULATE_READ`` (Linux >= 5.14) is tried first; where the
+    kernel refuses it (EINVAL), ``MADV_WILLNEED`` starts asynchronous
+    read-ahead instead.
+
+    Returns:
+        ``"populate_read"``, ``"willneed"``, or ``"none: <reason>"`` when both
+        failed (registration still works, only slower: never an error).
+    """
+    if nbytes <= 0:
+        return "none: empty range"
+    advise = madvise or _libc_madvise()
+    pages = (nbytes + _PAGE - 1) // _PAGE
+    n = max(1, min(threads, pages))
+    per = (pages + n - 1) // n * _PAGE
+    slices = [(address + off, min(per, nbytes - off)) for off in range(0, nbytes, per)]
+    codes = [0] * len(slices)
+
+    def work(i: int) -> None:
+        codes[i] = advise(slices[i][0], slices[i][1], MADV_POPULATE_READ)
+
+    workers = [threading.Thread(target=work, args=(i,), name=f"hwr-prefault-{i}") for i in range(1, len(slices))]
+    for w in workers:
+        w.start()
+    work(0)
+    for w in workers:
+        w.join()  # every slice must be populated before the caller registers the range
+    if all(c == 0 for c in codes):
+        return "populate_read"
+    code = advise(address, nbytes, MADV_WILLNEED)
+    if code == 0:
+        return "willneed"
+    first = next(c for c in codes if c)
+    return f"none: madvise POPULATE_READ errno {first}, WILLNEED errno {code}"
+
+
+class CudaRegistrar:
+    """Registrar over the process's CUDA runtime (ctypes on libcudart).
+
+    Every runtime call runs inside ``torch.cuda.device(index)`` of the device
+    last probed (or given), with its primary context created first: a
+    registration made in whatever context happens to be current would belong
+    to another device's context.
+    """
+
+    def __init__(self, device: torch.device | None = None, *, maps_text: str | None = None) -> None:
+        self._lib: ctypes.CDLL | None = None
+        self._index: int | None = device.index if device is not None and device.type == "cuda" else None
+        path = _loaded_cudart_path(maps_text)
+        if path is not None:
+            try:
+                # dlopen of an already-loaded object returns the same handle,
+                # so the error state we clear is the one torch checks.
+                lib = ctypes.CDLL(path)
+                lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+                lib.cudaHostRegister.restype = ctypes.c_int
+                lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+                lib.cudaHostUnregister.restype = ctypes.c_int
+                lib.cudaGetLastError.argtypes = []
+                lib.cudaGetLastError.restype = ctypes.c_int
+                lib.cudaDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+                lib.cudaDeviceGetAttribute.restype = ctypes.c_int
+                lib.cudaFree.argtypes = [ctypes.c_void_p]
+                lib.cudaFree.restype = ctypes.c_int
+                self._lib = lib
+            except (OSError, AttributeError) as exc:
+                log.warning("libcudart at %s unusable for host registration: %s", path, exc)
+
+    @contextlib.contextmanager
+    def _in_device(self) -> Iterator[None]:
+        """Runs the body with this registrar's device current and its primary
+        context created (torch.cuda.device sets the device; cudaFree(0) is
+        the documented way to force context creation)."""
+        index = self._index if self._index is not None else torch.cuda.current_device()
+        with torch.cuda.device(index):
+            if self._lib is not None and self._lib.cudaFree(None) != 0:
+                self.clear_error()
+            yield
 
 class CudaRegistrar:
     """Registrar over the process's CUDA runtime (ctypes on libcudart)."""
@@ -165,29 +324,33 @@ class CudaRegistrar:
         if device.type != "cuda" or not torch.cuda.is_available():
             return NullRegistrar().capability(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
+        self._index = index  # later register/unregister calls run in this device's context
         props = torch.cuda.get_device_properties(index)
         if self._lib is None:
             integrated = bool(getattr(props, "is_integrated", False))
             return HostCapability("cuda", False, False, False, integrated,
                                   "no shared libcudart loaded: a failed registration could not be cleared")
-        integrated = self._attr(ATTR_INTEGRATED, index)
-        supported = self._attr(ATTR_HOST_REGISTER_SUPPORTED, index)
-        read_only = self._attr(ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED, index)
-        page_tables = self._attr(ATTR_PAGEABLE_USES_HOST_PAGE_TABLES, index)
+        with self._in_device():
+            integrated = self._attr(ATTR_INTEGRATED, index)
+            supported = self._attr(ATTR_HOST_REGISTER_SUPPORTED, index)
+            read_only = self._attr(ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED, index)
+            page_tables = self._attr(ATTR_PAGEABLE_USES_HOST_PAGE_TABLES, index)
         reason = "" if supported else "cudaDevAttrHostRegisterSupported is 0 on this device"
         return HostCapability("cuda", bool(supported), bool(read_only), bool(page_tables), bool(integrated), reason)
 
     def register(self, address: int, nbytes: int, flags: int) -> int:
-        """cudaHostRegister; returns the cudaError_t code."""
-        if self._lib is not None:
-            return int(self._lib.cudaHostRegister(ctypes.c_void_p(address), nbytes, flags))
-        return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, flags))
+        """cudaHostRegister in this registrar's device; returns the cudaError_t code."""
+        with self._in_device():
+            if self._lib is not None:
+                return int(self._lib.cudaHostRegister(ctypes.c_void_p(address), nbytes, flags))
+            return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, flags))
 
     def unregister(self, address: int) -> int:
-        """cudaHostUnregister; returns the cudaError_t code."""
-        if self._lib is not None:
-            return int(self._lib.cudaHostUnregister(ctypes.c_void_p(address)))
-        return int(torch.cuda.cudart().cudaHostUnregister(address))
+        """cudaHostUnregister in this registrar's device; returns the cudaError_t code."""
+        with self._in_device():
+            if self._lib is not None:
+                return int(self._lib.cudaHostUnregister(ctypes.c_void_p(address)))
+            return int(torch.cuda.cudart().cudaHostUnregister(address))
 
     def clear_error(self) -> int:
         """cudaGetLastError: returns and resets this thread's last error."""
@@ -200,5 +363,5 @@ def default_registrar(device: torch.device) -> Registrar:
     """The registrar for ``device``: CUDA's on a CUDA device, else a
     :class:`NullRegistrar`."""
     if device.type == "cuda" and torch.cuda.is_available():
-        return CudaRegistrar()
+        return CudaRegistrar(device)
     return NullRegistrar()

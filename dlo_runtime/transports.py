@@ -37,12 +37,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hwr_client.core.errors import Internal
 from hwr_client.mapping import PAGE_SIZE, Region
 
-from dlo_runtime.cuda_host import HOST_REGISTER_DEFAULT, HOST_REGISTER_READ_ONLY, HostCapability, Registrar
+from dlo_runtime.cuda_host import HOST_REGISTER_DEFAULT, HOST_REGISTER_READ_ONLY, HostCapability, Registrar, prefault
+
+#: (address, nbytes) -> how the range was faulted in; see cuda_host.prefault.
+Prefault = Callable[[int, int], str]
+
+
+def default_prefault(address: int, nbytes: int) -> str:
+    """The default pre-fault: :func:`dlo_runtime.cuda_host.prefault`, looked
+    up at call time (a test seam)."""
+    return prefault(address, nbytes)
 
 log = logging.getLogger(__name__)
 
@@ -146,15 +155,32 @@ def _timed(registrar: Registrar, op: str, chunk: Chunk, flags: int) -> Registrat
     return call
 
 
+def mapping_keepalive(source: Any) -> tuple:
+    """What must stay referenced while ``source``'s ranges are registered:
+    the source itself and the mappings (the whole-file views, each holding
+    its mmap object), so the memory cannot be unmapped under the driver even
+    if the source releases its own references first."""
+    file_bytes = getattr(source, "file_bytes", None)
+    if file_bytes is None or not hasattr(source, "regions"):
+        return (source,)
+    return (source, tuple(file_bytes(i) for i in range(len(source.regions()))))
+
+
 class RegisteredRanges:
-    """Chunks currently registered, plus a reference that keeps their memory
-    mapped (the lease) until every chunk is unregistered."""
+    """Chunks currently registered, plus references that keep their memory
+    mapped (the lease and its mappings) until every chunk is unregistered."""
 
     def __init__(self, registrar: Registrar, chunks: Sequence[Chunk], keepalive: Any):
         self._registrar = registrar
         self._chunks = list(chunks)
         self._keepalive = keepalive
         self.calls: list[RegistrationCall] = []
+        self.prefaults: list[tuple[Chunk, str, float]] = []
+
+    @property
+    def holds(self) -> Any:
+        """The keep-alive (None once everything is unregistered)."""
+        return self._keepalive
 
     @property
     def active(self) -> bool:
@@ -191,7 +217,14 @@ class RegisteredRanges:
         self._keepalive = None
 
 
-def _fallback_reason(capability: HostCapability, *, pin_memory: bool, total: int, limit_bytes: int) -> str:
+def registration_decline_reason(capability: HostCapability, *, pin_memory: bool = True, total: int = 0,
+                                limit_bytes: int = 0) -> str:
+    """Why registration must not be attempted ("" = go ahead).
+
+    The one decision rule: the backend's transport choice and the CUDA tests'
+    skip rule both call it, so a platform the code declines is one the tests
+    skip.
+    """
     if not pin_memory:
         return "pin_memory=False: the pin policy is disabled"
     if capability.unified_memory:
@@ -214,14 +247,20 @@ def register_regions(
     pin_memory: bool = True,
     limit_bytes: int = 0,
     chunk_bytes: int = MAX_CHUNK_BYTES,
+    prefault_fn: Prefault | None = default_prefault,
 ) -> TransportChoice:
-    """Registers all regions, or none.
+    """Registers all regions, or none: THE registration entry point.
+
+    Each chunk is pre-faulted (``prefault_fn``, None = cold) right before
+    its ``cudaHostRegister``, so the driver pins resident pages instead of
+    reading them from disk under its locks.
 
     Args:
         registrar: the runtime seam.
         capability: the probed platform capability (probed before any call).
         regions: the lease's mapped files.
-        keepalive: what keeps the mapping alive while registered (the lease).
+        keepalive: the lease; the ranges hold it and its mappings
+            (:func:`mapping_keepalive`) until every chunk is unregistered.
         pin_memory: the pin policy; False selects staging without a call.
         limit_bytes: ceiling on page-aligned registered bytes; 0 = none.
         chunk_bytes: largest range per call.
@@ -235,22 +274,31 @@ def register_regions(
     """
     chunks = plan_chunks(regions, chunk_bytes)
     total = sum(c.nbytes for c in chunks)
-    reason = _fallback_reason(capability, pin_memory=pin_memory, total=total, limit_bytes=limit_bytes)
+    reason = registration_decline_reason(capability, pin_memory=pin_memory, total=total, limit_bytes=limit_bytes)
     if reason:
         log.info("host registration skipped (%s); using %s", reason, STAGING)
         return TransportChoice(STAGING, reason)
     flags = HOST_REGISTER_READ_ONLY if capability.read_only_supported else HOST_REGISTER_DEFAULT
+    keep = mapping_keepalive(keepalive)
     done: list[Chunk] = []
     calls: list[RegistrationCall] = []
+    faults: list[tuple[Chunk, str, float]] = []
     for k, chunk in enumerate(chunks):
+        if prefault_fn is not None:
+            t0 = time.perf_counter()
+            how = prefault_fn(chunk.address, chunk.nbytes)
+            faults.append((chunk, how, time.perf_counter() - t0))
+            log.info("prefault %#x %d bytes (%s): %s in %.3f ms", chunk.address, chunk.nbytes, chunk.path, how,
+                     faults[-1][2] * 1e3)
         call = _timed(registrar, "register", chunk, flags)
         calls.append(call)
         if call.code == 0:
             done.append(chunk)
             continue
-        return _roll_back(registrar, done, calls, keepalive, k, chunk, call.code)
-    ranges = RegisteredRanges(registrar, done, keepalive)
+        return _roll_back(registrar, done, calls, keep, k, chunk, call.code)
+    ranges = RegisteredRanges(registrar, done, keep)
     ranges.calls.extend(calls)
+    ranges.prefaults.extend(faults)
     return TransportChoice(REGISTERED, f"{len(done)} range(s), {total} bytes registered read-only", ranges, tuple(calls))
 
 
@@ -281,6 +329,7 @@ def choose_transport(
     pin_memory: bool,
     registration_limit_gib: float,
     chunk_bytes: int = MAX_CHUNK_BYTES,
+    prefault_fn: Prefault | None = default_prefault,
 ) -> TransportChoice:
     """Picks the transport for a backend.
 
@@ -298,4 +347,4 @@ def choose_transport(
         return TransportChoice(UNIFIED, "unified memory: staging and registration skipped")
     limit = int(registration_limit_gib * GIB)
     return register_regions(registrar, capability, source.regions(), keepalive=source, pin_memory=pin_memory,
-                            limit_bytes=limit, chunk_bytes=chunk_bytes)
+                            limit_bytes=limit, chunk_bytes=chunk_bytes, prefault_fn=prefault_fn)

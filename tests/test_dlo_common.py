@@ -109,6 +109,9 @@ class TestLease:
     def regions(self):
         return self.artifact.regions()
 
+    def file_bytes(self, i):
+        return self.artifact.file_bytes(i)
+
     def close(self):
         self.closed += 1
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dlo_runtime import REGISTERED, STAGING, enable_layerwise_offload, restore_model
-from dlo_runtime.cuda_host import CudaRegistrar, NullRegistrar
-from dlo_runtime.transports import register_regions
+from dlo_runtime.cuda_host import CudaRegistrar, HostCapability, NullRegistrar
+from dlo_runtime.transports import register_regions, registration_decline_reason
 from tests.test_dlo_common import TestLease, make_artifact, reference, skeleton
 
 pytestmark = [
@@ -20,11 +20,18 @@ pytestmark = [
 ]
 
 
+def skip_reason(cap: HostCapability) -> str:
+    """Why these tests skip on ``cap``: exactly the code's decline rule
+    (tests/test_dlo_transports.py checks the two agree on every capability)."""
+    return registration_decline_reason(cap)
+
+
 def _capability():
     reg = CudaRegistrar()
     cap = reg.capability(torch.device("cuda", torch.cuda.current_device()))
-    if not cap.host_register_supported or cap.unified_memory:
-        pytest.skip(f"host registration not usable here: {cap}")
+    reason = skip_reason(cap)
+    if reason:
+        pytest.skip(f"host registration not usable here: {reason} ({cap})")
     return reg, cap
 
 
@@ -126,3 +133,42 @@ def test_copy_overlaps_compute_on_streams(tmp_path):
     overlap = any(c.time_range.start < k.time_range.end and k.time_range.start < c.time_range.end
                   for c in copies for k in kernels)
     assert overlap, "no H2D copy overlapped a compute kernel"
+
+
+def test_registrar_binds_torchs_cudart_and_registers_in_its_device(tmp_path):
+    """Finding 5/6: the bound runtime is the one torch loaded (its error state
+    is torch's), and a registration made with another device current still
+    lands in the registrar's device context."""
+    from dlo_runtime import cuda_host
+
+    reg, cap = _capability()
+    with open("/proc/self/maps") as f:
+        candidates = cuda_host.cudart_candidates(f.read())
+    assert candidates, "torch loaded no shared libcudart"
+    lease = TestLease(make_artifact(tmp_path, reference(2)))
+    choice = register_regions(reg, cap, lease.regions(), keepalive=lease)
+    assert choice.kind == REGISTERED, choice.reason
+    assert all(how in ("populate_read", "willneed") for _, how, _ in choice.ranges.prefaults)
+    src = lease.block_bytes(0)
+    dst = torch.empty_like(src, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()  # the DMA must land before comparing
+    assert torch.equal(dst.cpu(), src)
+    choice.ranges.unregister()
+    assert reg.clear_error() == 0
+
+
+def test_staging_slots_and_copy_stream_on_cuda(tmp_path):
+    """The staging transport's pinned slots and copy stream/events move the
+    same bytes the registered path does (every CUDA-only path has a test)."""
+    _capability()
+    ref, lease, skel = _warm(tmp_path)
+    handle = enable_layerwise_offload(skel, list(skel.blocks), device="cuda", source=lease,
+                                      registrar=NullRegistrar("test: staging"))
+    assert handle.stats.transport == STAGING and handle.stats.staging_bytes > 0
+    x = torch.randn(8, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(skel(x.cuda()), ref.to("cuda")(x.cuda()), rtol=1e-5, atol=1e-5)
+    assert all(b.copies >= 2 and b.host_copies == b.copies for b in handle.stats.blocks)
+    handle.close()

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import gc
 import logging
+import mmap
+import os
+import warnings
+import weakref
 
 import pytest
 import torch
@@ -11,8 +18,13 @@ from hwr_client.mapping import PAGE_SIZE, Region
 from dlo_runtime import (
     REGISTERED, STAGING, UNIFIED, RegistrationAborted, UnregisterFailed, enable_layerwise_offload, restore_model, retained,
 )
-from dlo_runtime.cuda_host import HOST_REGISTER_READ_ONLY, NullRegistrar
-from dlo_runtime.transports import plan_chunks
+from dlo_runtime import cuda_host, transports
+from dlo_runtime.cuda_host import (
+    HOST_REGISTER_READ_ONLY, MADV_POPULATE_READ, MADV_WILLNEED, HostCapability, NullRegistrar, choose_cudart,
+    cudart_candidates, prefault,
+)
+from dlo_runtime.transports import plan_chunks, register_regions, registration_decline_reason
+from tests import test_dlo_cuda
 from tests.test_dlo_common import FakeRegistrar, TestLease, make_artifact, reference, skeleton
 
 CHUNK = 2 * PAGE_SIZE  # small chunks, so a toy artifact spans several ranges
@@ -162,3 +174,142 @@ def test_registered_and_staging_move_identical_payload(tmp_path):
         handle.close()
     assert payload["registered"][0] == payload["staging"][0]
     assert torch.equal(payload["registered"][1], payload["staging"][1])
+
+
+# --- issue 17: prefault, keep-alive, libcudart choice, the shared decline rule ----------------------
+
+def test_prefault_runs_before_each_register_call(tmp_path):
+    ref, lease, skel = _warm(tmp_path)
+    order = []
+    reg = FakeRegistrar()
+    real_register = reg.register
+
+    def register(address, nbytes, flags):
+        order.append(("register", address, nbytes))
+        return real_register(address, nbytes, flags)
+
+    reg.register = register
+    choice = register_regions(reg, reg.cap, lease.regions(), keepalive=lease, chunk_bytes=CHUNK,
+                              prefault_fn=lambda a, n: order.append(("prefault", a, n)) or "fake")
+    assert choice.kind == REGISTERED
+    chunks = plan_chunks(lease.regions(), CHUNK)
+    expected = [e for c in chunks for e in (("prefault", c.address, c.nbytes), ("register", c.address, c.nbytes))]
+    assert order == expected
+    assert [how for _, how, _ in choice.ranges.prefaults] == ["fake"] * len(chunks)
+    choice.ranges.unregister()
+
+
+def test_backend_prefaults_by_default(tmp_path, monkeypatch):
+    ref, lease, skel = _warm(tmp_path)
+    seen = []
+    monkeypatch.setattr(transports, "prefault", lambda a, n: seen.append((a, n)) or "fake")
+    handle = _offload(skel, lease, FakeRegistrar())
+    assert handle.stats.transport == REGISTERED
+    assert seen == [(c.address, c.nbytes) for c in plan_chunks(lease.regions(), CHUNK)]
+    handle.close()
+
+
+def _resident_pages(address, nbytes):
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = (nbytes + PAGE_SIZE - 1) // PAGE_SIZE
+    vec = (ctypes.c_ubyte * pages)()
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(address), nbytes, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+def test_prefault_populates_a_real_file_mapping(tmp_path):
+    path = tmp_path / "blob"
+    nbytes = 64 * PAGE_SIZE + 123
+    with open(path, "wb") as f:
+        f.write(os.urandom(nbytes))
+        f.flush()
+        os.fsync(f.fileno())  # clean pages: the kernel may drop them for the cold start below
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffer: torch warns, we only read its address
+            address = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+        how = prefault(address, nbytes, threads=3)
+        assert how in ("populate_read", "willneed"), how
+        if how == "populate_read":
+            assert _resident_pages(address, nbytes) == (nbytes + PAGE_SIZE - 1) // PAGE_SIZE
+    finally:
+        mm.close()
+
+
+def test_prefault_falls_back_to_willneed_and_never_raises():
+    calls = []
+
+    def old_kernel(address, nbytes, advice):
+        calls.append((address, nbytes, advice))
+        return errno.EINVAL if advice == MADV_POPULATE_READ else 0
+
+    base = 1024 * PAGE_SIZE
+    assert prefault(base, 10 * PAGE_SIZE, threads=4, madvise=old_kernel) == "willneed"
+    populate = sorted(c for c in calls if c[2] == MADV_POPULATE_READ)
+    # page-aligned slices that tile the range exactly, one per thread
+    assert len(populate) == 4 and populate[0][0] == base
+    assert all(a % PAGE_SIZE == 0 for a, _, _ in populate)
+    assert sum(n for _, n, _ in populate) == 10 * PAGE_SIZE
+    assert all(a + n == b for (a, n, _), (b, _, _) in zip(populate, populate[1:]))
+    assert calls[-1] == (base, 10 * PAGE_SIZE, MADV_WILLNEED)
+    assert prefault(base, PAGE_SIZE, madvise=lambda a, n, adv: errno.ENOMEM).startswith("none:")
+
+
+def test_registration_keepalive_holds_the_mappings_until_unregister(tmp_path):
+    artifact = make_artifact(tmp_path, reference(2))
+    lease = TestLease(artifact)
+    maps = [weakref.ref(m) for m in artifact._maps]
+    reg = FakeRegistrar()
+    choice = register_regions(reg, reg.cap, lease.regions(), keepalive=lease, chunk_bytes=CHUNK, prefault_fn=None)
+    assert choice.kind == REGISTERED
+    # The lease drops its own references (what a teardown in the wrong order
+    # would do): the registered ranges must still keep every mmap alive.
+    artifact.release()
+    del artifact, lease
+    gc.collect()
+    assert all(m() is not None for m in maps)
+    choice.ranges.unregister()
+    assert choice.ranges.holds is None
+    gc.collect()
+    assert all(m() is None for m in maps)  # after unregister, nothing of ours pins the mapping
+
+
+TORCH_SITE = "/venv/lib/python3.12/site-packages"
+MAPS = "\n".join([
+    "7f00-7f01 r-xp 00000000 08:01 11 /opt/other/lib/libcudart.so.12.4.127",
+    "7f01-7f02 r--p 00000000 08:01 12",
+    f"7f02-7f03 r-xp 00000000 08:01 13 {TORCH_SITE}/torch/lib/libcudart-9335f6a2.so.12",
+    f"7f03-7f04 r--p 00001000 08:01 13 {TORCH_SITE}/torch/lib/libcudart-9335f6a2.so.12",
+    "7f04-7f05 r-xp 00000000 08:01 14 /usr/lib/libcudart_static_helper.so",
+    "7f05-7f06 r-xp 00000000 08:01 15 /usr/lib/libcudnn.so.9",
+])
+
+
+def test_cudart_found_by_pattern_preferring_torchs_copy():
+    assert cudart_candidates(MAPS) == ["/opt/other/lib/libcudart.so.12.4.127",
+                                       f"{TORCH_SITE}/torch/lib/libcudart-9335f6a2.so.12"]
+    torch_dirs = [f"{TORCH_SITE}/torch/lib", f"{TORCH_SITE}/nvidia/cuda_runtime"]
+    assert choose_cudart(cudart_candidates(MAPS), torch_dirs) == f"{TORCH_SITE}/torch/lib/libcudart-9335f6a2.so.12"
+    wheel = f"{TORCH_SITE}/nvidia/cuda_runtime/lib/libcudart.so.12"
+    assert choose_cudart(["/opt/other/libcudart.so", wheel], torch_dirs) == wheel
+    assert choose_cudart(["/opt/other/libcudart.so"], torch_dirs) == "/opt/other/libcudart.so"
+    assert choose_cudart([], torch_dirs) is None
+
+
+def test_chosen_cudart_path_is_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="dlo_runtime.cuda_host"):
+        assert cuda_host._loaded_cudart_path(MAPS) == "/opt/other/lib/libcudart.so.12.4.127"  # torch's dirs differ here
+    assert any("/opt/other/lib/libcudart.so.12.4.127" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("bits", range(16))
+def test_cuda_tests_skip_exactly_where_the_code_declines(bits):
+    supported, read_only, page_tables, unified = (bool(bits >> i & 1) for i in range(4))
+    cap = HostCapability("cuda", supported, read_only, page_tables, unified, "")
+    code_declines = register_regions(FakeRegistrar(), cap, [], keepalive=None).kind == STAGING
+    assert bool(test_dlo_cuda.skip_reason(cap)) == code_declines
+    assert bool(registration_decline_reason(cap)) == code_declines
