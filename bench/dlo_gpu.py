@@ -1,20 +1,31 @@
-"""DLO on a CUDA machine, in one short run (< 5 minutes at the defaults):
+"""DLO on a CUDA machine, in one short run (< 3 minutes with --quick):
 
 1. H2D GB/s of whole blocks out of a mapped artifact: pageable (the mapping
    as is), staging (two pinned slots: memcpy, then async DMA) and registered
    (the mapping registered read-only with cudaHostRegister, DMA straight
    from it); the device bytes of every method are compared for equality.
-2. Registration seconds per GiB (register and unregister).
+   The staging row also reports the host memcpy per block: the backend runs
+   it on the forward-hook thread (issue 17, finding 7), so it is compared
+   with a block's compute time.
+2. Registration of one file on disk (``--reg-gib``, default 4 GiB), cold
+   (page cache dropped: the driver reads pages inside cudaHostRegister) and
+   pre-faulted (MADV_POPULATE_READ from threads first): seconds per GiB of
+   prefault, register and unregister, and /proc/meminfo Dirty before
+   registration and right after unregistration (finding 4: the driver
+   releases pinned pages as dirty, which schedules writeback of every
+   registered byte of a file-backed store).
 3. Per-block wall time of a layerwise-offloaded forward (registered and
    staging transports) against max(compute, copy) and compute + copy: 1.0
-   of max() means copy fully hidden behind compute.
+   of max() means copy fully hidden behind compute. Attention runs 4-D
+   (B, H, T, D) so a fused SDPA kernel applies; the run checks that one does.
 
     python bench/dlo_gpu.py              # ~8 GiB artifact in /dev/shm
     python bench/dlo_gpu.py --quick      # ~0.75 GiB
 
 Prints a table and writes JSON (default bench/results/dlo_gpu.json). Exits 2
-without a CUDA device. NOTE: written without a GPU at hand; the first CUDA
-run is its first run (README.md, "DLO runtime" → "What ran where").
+without a CUDA device, 1 when a check fails (``checks`` in the JSON). NOTE:
+written without a GPU at hand; the first CUDA run is its first run
+(README.md, "DLO runtime" → "What ran where").
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -34,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dlo_runtime import enable_layerwise_offload, restore_model  # noqa: E402
 from dlo_runtime.cuda_host import CudaRegistrar, NullRegistrar  # noqa: E402
-from dlo_runtime.transports import register_regions  # noqa: E402
+from dlo_runtime.transports import register_regions, registration_decline_reason  # noqa: E402
+from hwr_client.mapping import Region  # noqa: E402
 from hwr_client.lease import local_lease  # noqa: E402
 from hwr_client.local import write_artifact  # noqa: E402
 from hwr_client.tensors import build_plan  # noqa: E402
@@ -62,9 +75,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens, width = x.shape
-        heads = (t.view(tokens, width // 128, 128).transpose(0, 1) for t in self.qkv(x).chunk(3, dim=-1))
-        attn = torch.nn.functional.scaled_dot_product_attention(*heads)  # 128-wide heads: flash kernels apply
-        x = x + self.proj(attn.transpose(0, 1).reshape(tokens, width))
+        # 4-D (B=1, H, T, D=128): the layout the fused SDPA kernels take. A
+        # 3-D input falls back to the math path (a T x T score matrix per
+        # head), which inflates compute and flatters the overlap ratios.
+        heads = (t.view(1, tokens, width // 128, 128).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        attn = torch.nn.functional.scaled_dot_product_attention(*heads)
+        x = x + self.proj(attn.transpose(1, 2).reshape(tokens, width))
         return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
 
@@ -100,12 +116,15 @@ def _make_artifact(directory: str, n: int, width: int) -> tuple:
     return manifest, paths
 
 
-def _h2d(lease, method: str, slots: list[torch.Tensor], pinned: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
+def _h2d(lease, method: str, slots: list[torch.Tensor], pinned: list[torch.Tensor],
+         memcpy_s: list[float] | None = None) -> tuple[float, torch.Tensor]:
     srcs = [lease.block_bytes(i) for i in range(len(lease.blocks))]
     stream = torch.cuda.Stream()
     free = [torch.cuda.Event(), torch.cuda.Event()]
 
     def run():
+        if memcpy_s is not None:
+            memcpy_s.clear()
         for i, src in enumerate(srcs):
             s, n = i % 2, src.numel()
             if method == "pageable":
@@ -117,7 +136,10 @@ def _h2d(lease, method: str, slots: list[torch.Tensor], pinned: list[torch.Tenso
                 # Host wait: the DMA out of this pinned slot must finish
                 # before the memcpy overwrites it.
                 free[s].synchronize()
+                t0 = time.perf_counter()
                 pinned[s][:n].copy_(src)
+                if memcpy_s is not None:
+                    memcpy_s.append(time.perf_counter() - t0)
                 with torch.cuda.stream(stream):
                     slots[s][:n].copy_(pinned[s][:n], non_blocking=True)
                     free[s].record(stream)
@@ -127,6 +149,111 @@ def _h2d(lease, method: str, slots: list[torch.Tensor], pinned: list[torch.Tenso
     total = sum(s.numel() for s in srcs)
     last = srcs[-1].numel()
     return total / seconds / 1e9, slots[(len(srcs) - 1) % 2][:last].clone()
+
+
+def _meminfo_kib(field: str) -> int:
+    """One /proc/meminfo field in KiB (-1 where unreadable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def _fstype(path: str) -> str:
+    """Filesystem type of ``path`` (longest mount-point prefix in /proc/mounts)."""
+    best, kind = "", "unknown"
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and (real == fields[1] or real.startswith(fields[1].rstrip("/") + "/")) \
+                        and len(fields[1]) >= len(best):
+                    best, kind = fields[1], fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def _write_cold_file(path: str, nbytes: int) -> None:
+    """``nbytes`` of incompressible data, durable and out of the page cache."""
+    piece = os.urandom(64 * 2**20)
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(piece[: min(len(piece), left)])
+        f.flush()
+        os.fsync(f.fileno())  # clean pages only: DONTNEED can then drop them (a cold start)
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _registration_case(directory: str, gib: float, registrar: CudaRegistrar, cap) -> dict:
+    """Registers one disk file cold, then pre-faulted; Dirty around each."""
+    import mmap
+
+    path = os.path.join(directory, "hwr-dlo-gpu-registration.bin")
+    nbytes = int(gib * GIB) // mmap.PAGESIZE * mmap.PAGESIZE
+    out: dict = {"gib": nbytes / GIB, "dir": directory, "fstype": _fstype(directory)}
+    t0 = time.perf_counter()
+    _write_cold_file(path, nbytes)
+    out["write_s"] = time.perf_counter() - t0
+    try:
+        for mode in ("cold", "prefaulted"):
+            with open(path, "rb") as f:
+                # A fresh mapping each time: DONTNEED cannot drop pages we
+                # still map, so the cold case needs the previous one gone.
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only buffer: we only take its address
+                address = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+            dirty0 = _meminfo_kib("Dirty")
+            choice = register_regions(registrar, cap, [Region(path, address, nbytes)], keepalive=mm,
+                                      chunk_bytes=GIB, prefault_fn=None if mode == "cold" else _prefault)
+            row: dict = {"kind": choice.kind, "reason": choice.reason, "dirty_before_kib": dirty0}
+            if choice.ranges is not None:
+                faulted = sum(sec for _, _, sec in choice.ranges.prefaults)
+                t0 = time.perf_counter()
+                choice.ranges.unregister()
+                unreg = time.perf_counter() - t0
+                dirty1 = _meminfo_kib("Dirty")
+                row.update({"prefault_s_per_gib": faulted / out["gib"],
+                            "prefault_how": sorted({how for _, how, _ in choice.ranges.prefaults}),
+                            "register_s_per_gib": choice.registration_seconds / out["gib"],
+                            "unregister_s_per_gib": unreg / out["gib"],
+                            "dirty_after_unregister_kib": dirty1,
+                            "dirty_delta_mib": (dirty1 - dirty0) / 1024,
+                            "dirty_delta_over_registered": (dirty1 - dirty0) * 1024 / nbytes})
+            mm.close()
+            out[mode] = row
+    finally:
+        os.unlink(path)
+    return out
+
+
+def _prefault(address: int, nbytes: int) -> str:
+    from dlo_runtime.cuda_host import prefault
+
+    return prefault(address, nbytes)
+
+
+def _fused_attention_ok(blk: nn.Module, x: torch.Tensor) -> str:
+    """"" when SDPA runs with the math fallback disabled, else why not."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return "torch.nn.attention unavailable: fused kernel not checked"
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            blk(x)
+        torch.cuda.synchronize()  # a kernel error surfaces here, inside the check
+    except RuntimeError as exc:
+        return f"no fused SDPA kernel for this input: {exc}"
+    return ""
 
 
 def _offload_pass(directory, manifest, paths, n, width, x, registrar, repeats) -> tuple[float, str, torch.Tensor]:
@@ -144,7 +271,8 @@ def _offload_pass(directory, manifest, paths, n, width, x, registrar, repeats) -
     return seconds, transport, out
 
 
-def run(gib: float, width: int, tokens: int, repeats: int, directory: str) -> dict:
+def run(gib: float, width: int, tokens: int, repeats: int, directory: str, reg_gib: float = 0.0,
+        disk_dir: str | None = None) -> dict:
     block_bytes = 12 * width * width * 2
     n = max(2, int(gib * GIB // block_bytes))
     t0 = time.perf_counter()
@@ -159,11 +287,15 @@ def run(gib: float, width: int, tokens: int, repeats: int, directory: str) -> di
                                "tokens": tokens, "device": torch.cuda.get_device_name(), "write_s": write_s},
                     "h2d_gbps": {}, "payload_equal": None, "registration": {}}
     payloads = {}
+    memcpy_s: list[float] = []
     for method in ("pageable", "staging"):
-        result["h2d_gbps"][method], payloads[method] = _h2d(lease, method, slots, pinned)
+        result["h2d_gbps"][method], payloads[method] = _h2d(lease, method, slots, pinned,
+                                                             memcpy_s if method == "staging" else None)
+    result["staging_memcpy_ms_per_block"] = 1e3 * sum(memcpy_s) / max(1, len(memcpy_s))
     registrar = CudaRegistrar()
     cap = registrar.capability(torch.device("cuda", torch.cuda.current_device()))
     result["capability"] = cap.__dict__
+    result["decline_reason"] = registration_decline_reason(cap)
     choice = register_regions(registrar, cap, lease.regions(), keepalive=lease)
     reg_gib = choice.registered_bytes / GIB
     if choice.ranges is not None:
@@ -180,12 +312,15 @@ def run(gib: float, width: int, tokens: int, repeats: int, directory: str) -> di
     result["payload_equal"] = all(torch.equal(ref, p) for p in payloads.values())
     lease.close()
     del slots, pinned
+    if reg_gib > 0:
+        result["registration_disk"] = _registration_case(disk_dir or directory, reg_gib, registrar, cap)
 
     with torch.device("cuda"):
         blk = Block(width)
     x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         blk(x)
+        result["fused_attention"] = _fused_attention_ok(blk, x)
         compute = _sync_time(lambda b=blk: [b(x) for _ in range(repeats)]) / repeats
     del blk
     offload = {}
@@ -200,7 +335,23 @@ def run(gib: float, width: int, tokens: int, repeats: int, directory: str) -> di
                           "over_sum_compute_copy": per_block / (compute + copy)}
     result["offload"] = offload
     result["output_equal_registered_vs_staging"] = bool(torch.equal(outs["registered"], outs["staging"]))
+    result["hook_memcpy_over_compute"] = result["staging_memcpy_ms_per_block"] / (compute * 1e3)
+    result["checks"] = _checks(result)
     return result
+
+
+def _checks(r: dict) -> dict:
+    """Named pass/fail checks; any False makes the exit status 1."""
+    checks = {"payload_equal": bool(r["payload_equal"]),
+              "output_equal_registered_vs_staging": bool(r["output_equal_registered_vs_staging"]),
+              "fused_attention": r.get("fused_attention", "") == ""}
+    if not r.get("decline_reason"):
+        # The platform allows registration: it must have happened.
+        checks["registered"] = "skipped" not in r["registration"] and r["offload"]["registered"]["transport"] == "registered"
+        disk = r.get("registration_disk")
+        if disk:
+            checks["disk_registration"] = all(disk[m]["kind"] == "registered" for m in ("cold", "prefaulted"))
+    return checks
 
 
 def _table(r: dict) -> str:
@@ -220,6 +371,21 @@ def _table(r: dict) -> str:
         lines.append(f"{k:12}{o['transport']:>12}{o['per_block_ms']:>10.2f}{o['compute_ms']:>10.2f}"
                      f"{o['copy_ms']:>10.2f}{o['over_max_compute_copy']:>8.2f}{o['over_sum_compute_copy']:>8.2f}")
     lines.append(f"output registered == staging: {r['output_equal_registered_vs_staging']}")
+    lines.append(f"staging memcpy on the hook thread: {r['staging_memcpy_ms_per_block']:.2f} ms/block "
+                 f"= {r['hook_memcpy_over_compute']:.2f} x compute; fused attention: "
+                 f"{r['fused_attention'] or 'yes'}")
+    disk = r.get("registration_disk")
+    if disk:
+        lines.append(f"registration of {disk['gib']:.2f} GiB on {disk['fstype']} ({disk['dir']}):")
+        for mode in ("cold", "prefaulted"):
+            d = disk[mode]
+            if d["kind"] != "registered":
+                lines.append(f"  {mode:11} {d['kind']}: {d['reason']}")
+                continue
+            lines.append(f"  {mode:11} prefault {d['prefault_s_per_gib']:.3f} + register {d['register_s_per_gib']:.3f} "
+                         f"s/GiB, unregister {d['unregister_s_per_gib']:.3f} s/GiB; Dirty +{d['dirty_delta_mib']:.0f} MiB "
+                         f"after unregister ({d['dirty_delta_over_registered']:.2f} of registered)")
+    lines.append("checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()))
     return "\n".join(lines)
 
 
@@ -231,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--quick", action="store_true", help="~0.75 GiB, width 2048")
+    ap.add_argument("--reg-gib", type=float, default=4.0, help="disk-file registration case size (0: skip)")
+    ap.add_argument("--disk-dir", default=None,
+                    help="directory on a disk filesystem for the registration case (default: the --out directory)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dlo_gpu.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -239,16 +408,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.gib, args.width, args.tokens, args.repeats = 0.75, 2048, 4096, 2
     directory = tempfile.mkdtemp(prefix="hwr-dlo-gpu-", dir=args.dir)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    disk_dir = args.disk_dir or os.path.dirname(os.path.abspath(args.out))
     try:
-        result = run(args.gib, args.width, args.tokens, args.repeats, directory)
+        result = run(args.gib, args.width, args.tokens, args.repeats, directory, args.reg_gib, disk_dir)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print(_table(result))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"wrote {args.out}")
-    return 0 if result["payload_equal"] and result["output_equal_registered_vs_staging"] else 1
+    return 0 if all(result["checks"].values()) else 1
 
 
 if __name__ == "__main__":

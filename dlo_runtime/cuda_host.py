@@ -287,29 +287,6 @@ class CudaRegistrar:
                 self.clear_error()
             yield
 
-class CudaRegistrar:
-    """Registrar over the process's CUDA runtime (ctypes on libcudart)."""
-
-    def __init__(self) -> None:
-        self._lib: ctypes.CDLL | None = None
-        path = _loaded_cudart_path()
-        if path is not None:
-            try:
-                # dlopen of an already-loaded object returns the same handle,
-                # so the error state we clear is the one torch checks.
-                lib = ctypes.CDLL(path)
-                lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-                lib.cudaHostRegister.restype = ctypes.c_int
-                lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
-                lib.cudaHostUnregister.restype = ctypes.c_int
-                lib.cudaGetLastError.argtypes = []
-                lib.cudaGetLastError.restype = ctypes.c_int
-                lib.cudaDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
-                lib.cudaDeviceGetAttribute.restype = ctypes.c_int
-                self._lib = lib
-            except (OSError, AttributeError) as exc:
-                log.warning("libcudart at %s unusable for host registration: %s", path, exc)
-
     def _attr(self, attr: int, index: int) -> int | None:
         assert self._lib is not None
         value = ctypes.c_int(0)
@@ -327,8 +304,8 @@ class CudaRegistrar:
         self._index = index  # later register/unregister calls run in this device's context
         props = torch.cuda.get_device_properties(index)
         if self._lib is None:
-            integrated = bool(getattr(props, "is_integrated", False))
-            return HostCapability("cuda", False, False, False, integrated,
+            on_die = bool(getattr(props, "is_integrated", False))
+            return HostCapability("cuda", False, False, False, on_die,
                                   "no shared libcudart loaded: a failed registration could not be cleared")
         with self._in_device():
             integrated = self._attr(ATTR_INTEGRATED, index)

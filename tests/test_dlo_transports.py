@@ -313,3 +313,42 @@ def test_cuda_tests_skip_exactly_where_the_code_declines(bits):
     code_declines = register_regions(FakeRegistrar(), cap, [], keepalive=None).kind == STAGING
     assert bool(test_dlo_cuda.skip_reason(cap)) == code_declines
     assert bool(registration_decline_reason(cap)) == code_declines
+
+
+def test_cuda_registrar_calls_run_in_its_device_with_the_context_created(monkeypatch):
+    """Finding 6, through a fake libcudart: every register/unregister enters
+    torch.cuda.device(index) and forces the primary context (cudaFree(0))
+    before the runtime call."""
+    order = []
+
+    class FakeLib:
+        def cudaFree(self, ptr):
+            order.append("cudaFree")
+            return 0
+
+        def cudaHostRegister(self, ptr, n, flags):
+            order.append("cudaHostRegister")
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            order.append("cudaHostUnregister")
+            return 0
+
+    class FakeDevice:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            order.append(("enter", self.index))
+
+        def __exit__(self, *exc):
+            order.append(("exit", self.index))
+
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    reg = cuda_host.CudaRegistrar(torch.device("cuda", 3), maps_text="")
+    assert reg._lib is None  # no runtime in the fake maps
+    reg._lib = FakeLib()
+    assert reg.register(0x10000, PAGE_SIZE, HOST_REGISTER_READ_ONLY) == 0
+    assert reg.unregister(0x10000) == 0
+    assert order == [("enter", 3), "cudaFree", "cudaHostRegister", ("exit", 3),
+                     ("enter", 3), "cudaFree", "cudaHostUnregister", ("exit", 3)]
