@@ -205,7 +205,10 @@ def _registration_case(directory: str, gib: float, registrar: CudaRegistrar, cap
         for mode in ("cold", "prefaulted"):
             with open(path, "rb") as f:
                 # A fresh mapping each time: DONTNEED cannot drop pages we
-                # still map, so the cold case needs the previous one gone.
+                # still map, so each case needs the previous mapping gone; and
+                # it cannot drop dirty pages (the previous unregistration
+                # dirtied them, finding 4), so write them back first.
+                os.fsync(f.fileno())
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
             with warnings.catch_warnings():

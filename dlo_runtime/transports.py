@@ -5,8 +5,11 @@ Best first:
 ``registered``
     The lease's mapped files are registered with ``cudaHostRegister``
     (read-only flag, whole pages per file, chunks of at most
-    :data:`MAX_CHUNK_BYTES`), so each block copies straight from the mapping
-    into its device buffer. No staging memory is allocated.
+    :data:`MAX_CHUNK_BYTES`, each pre-faulted just before its call so the
+    driver pins resident pages instead of reading them from disk under its
+    locks), so each block copies straight from the mapping into its device
+    buffer. No staging memory is allocated. While registered, the ranges hold
+    the lease and its mappings (:func:`mapping_keepalive`).
 ``staging``
     Two bounded staging slots (pinned when the pin policy allows) sized to the
     largest streamed block: mapping -> slot (host memcpy) -> device.

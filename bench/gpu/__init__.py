@@ -1,0 +1,1 @@
+"""bench/gpu: the one GPU command (run.sh) and its steps (runner.py)."""

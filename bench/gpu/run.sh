@@ -31,7 +31,9 @@ OUT="${OUT:-bench/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)}"
 export PYTHONPATH=.
 
 # What the run imports: if these fail, the interpreter cannot run the plan.
-PROBE="import torch, grpc, google.protobuf, grpc_health.v1, pytest, hwr_client, hwr_server, dlo_runtime"
+# The generated stubs are imported too: an older protobuf/grpcio than they
+# need fails there, not at `import grpc`.
+PROBE="import torch, grpc, google.protobuf, grpc_health.v1, pytest, hwr_client.client, hwr_client.core._proto.hwr_pb2_grpc, hwr_server, dlo_runtime"
 PY=""
 if [ -n "$WHEELHOUSE" ]; then
   # Offline install (no registry): .ci/setup owns how; we only call it.

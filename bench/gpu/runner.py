@@ -27,7 +27,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUDGET_S = 330
 
 #: Modules the real run imports; the dry run imports them all (no CUDA call).
-IMPORTS = ("torch", "grpc", "google.protobuf", "grpc_health.v1", "pytest", "hwr_client", "hwr_server",
+IMPORTS = ("torch", "grpc", "google.protobuf", "grpc_health.v1", "pytest", "hwr_client.client",
+           "hwr_client.core._proto.hwr_pb2_grpc", "hwr_server",
            "dlo_runtime", "dlo_runtime.cuda_host", "dlo_runtime.transports", "dlo_runtime.backend",
            "bench.dlo_gpu", "bench.startup")
 
