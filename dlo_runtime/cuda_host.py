@@ -10,6 +10,8 @@ with fake registrars. This module only talks to the CUDA runtime:
   ``cudaDevAttrPageableMemoryAccessUsesHostPageTables`` = 100,
   ``cudaDevAttrIntegrated`` = 18, the unified-memory signal);
 - ``cudaHostRegister(ptr, size, flags)`` / ``cudaHostUnregister(ptr)``;
+- ``cudaFree(0)`` inside ``torch.cuda.device(index)`` before each call, so
+  the device's primary context exists and is the one the call lands in;
 - ``cudaGetLastError`` to clear the per-thread error a failed call leaves
   behind (otherwise the next kernel-launch check in torch raises it as if the
   kernel had failed).
