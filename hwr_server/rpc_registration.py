@@ -33,7 +33,8 @@ def admit(c: Components, request: pb.AdmitRegistrationRequest, context: grpc.Ser
     # see it in the per-worker figures.
     peer = peer_of(context)
     pid = peer.pid if peer.pid is not None else 0
-    got = c.registration.admit(sid, int(request.nbytes), pid=pid, client_name=peer.key, label=request.label,
+    who = "anonymous" if peer.pid is None else f"uid {peer.uid}"
+    got = c.registration.admit(sid, int(request.nbytes), pid=pid, client_name=who, label=request.label,
                                wait_s=request.wait_ms / 1000.0)
     return pb.AdmitRegistrationReply(admitted=got.admitted, registration_id=got.registration_id,
                                      chunk_bytes=got.chunk_bytes, reason=got.reason, detail=got.detail)

@@ -23,6 +23,7 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import InvalidArgument
 from hwr_client.registration import plan_chunks
 from hwr_server.config import ServerConfig
+from hwr_server.metrics import families
 from hwr_server.registration import RegistrationAdmission
 from tests.daemon import cleanup, make_daemon
 
@@ -98,6 +99,10 @@ def test_budget_in_flight_and_session_end():
     assert stats["hwr_registration_admitted_bytes"] == 10 * MIB
     assert stats['hwr_registration_worker_bytes{session="a",pid="1",client=""}'] == 6 * MIB
     assert stats['hwr_registration_admissions_total{outcome="budget"}'] == 1
+    # Every figure parses as a Prometheus sample (none skipped at scrape).
+    fams = {f.name: f for f in families(stats)}
+    assert len(fams["hwr_registration_worker_bytes"].samples) == 2
+    assert sum(len(f.samples) for f in fams.values()) == len(stats)
     assert adm.end_session("a") == 1
     assert adm.stats()["hwr_registration_admitted_bytes"] == 4 * MIB
     assert not adm.release("a", second.registration_id)  # not a's to release
@@ -278,6 +283,10 @@ def test_sigkill_of_a_registered_worker_returns_its_bytes(tmp_path):
         s = _stats(d)
         assert s["hwr_registration_admitted_bytes"] == 4 * MIB
         assert any(f'pid="{holder.pid}"' in k for k in s if k.startswith("hwr_registration_worker_bytes"))
+        # `hwr stats` shows the worker's registered bytes by pid.
+        shown = d.cli("stats", check=True).stdout
+        assert any("hwr_registration_worker_bytes" in ln and f'pid="{holder.pid}"' in ln
+                   for ln in shown.splitlines()), shown
         refused = _worker(d, MIB, "sleep:0")
         procs.append(refused)
         assert _result(refused)["reason"] == "budget"
