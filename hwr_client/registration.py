@@ -55,6 +55,9 @@ class RegistrationGrant:
         reason: empty when admitted; else "budget", "watchdog", "busy",
             "session", "empty", "daemon" (unreachable) or "failed".
         detail: the refusal in words.
+        chunk_bytes: the daemon's largest chunk, bytes (0 when it was not
+            reached); a caller that plans its own chunks (per mapped file)
+            cuts them at most this large.
     """
 
     admitted: bool
@@ -63,6 +66,7 @@ class RegistrationGrant:
     chunks: tuple[tuple[int, int], ...]
     reason: str = ""
     detail: str = ""
+    chunk_bytes: int = 0
 
 
 def plan_chunks(nbytes: int, chunk_bytes: int) -> tuple[tuple[int, int], ...]:
@@ -103,8 +107,9 @@ class RegistrationBroker:
         if not reply.admitted:
             log.info("registration of %s (%d bytes) refused (%s): %s; staging", label, nbytes, reply.reason,
                      reply.detail)
-            return RegistrationGrant(False, "", nbytes, (), reply.reason, reply.detail)
-        return RegistrationGrant(True, reply.registration_id, nbytes, plan_chunks(nbytes, int(reply.chunk_bytes)))
+            return RegistrationGrant(False, "", nbytes, (), reply.reason, reply.detail, int(reply.chunk_bytes))
+        return RegistrationGrant(True, reply.registration_id, nbytes, plan_chunks(nbytes, int(reply.chunk_bytes)),
+                                 chunk_bytes=int(reply.chunk_bytes))
 
     def chunk_done(self, grant: RegistrationGrant, nbytes: int, seconds: float) -> bool:
         """Reports one registered chunk; False when the daemon no longer
@@ -160,7 +165,7 @@ class RegistrationBroker:
                 why = f"chunk {k} [{offset}, {offset + length}) failed: {type(exc).__name__}: {exc}"
                 self.release(grant, reason=why)
                 log.warning("registration of %s: %s; staging", label, why)
-                return RegistrationGrant(False, "", nbytes, (), FAILED, why)
+                return RegistrationGrant(False, "", nbytes, (), FAILED, why, grant.chunk_bytes)
             done.append((offset, length))
             self.chunk_done(grant, length, time.monotonic() - t0)
         return grant

@@ -56,6 +56,7 @@ WORKER = textwrap.dedent("""
         spans.append([t0, time.monotonic()])
     grant = broker.register(nbytes, register, unregister_chunk=lambda o, n: undone.append(o), label=mode)
     print(json.dumps({"admitted": grant.admitted, "reason": grant.reason, "chunks": len(grant.chunks),
+                      "chunk_bytes": grant.chunk_bytes,
                       "spans": spans, "undone": undone, "done_at": time.monotonic()}), flush=True)
     sys.stdin.read()
     broker.release(grant)
@@ -220,7 +221,7 @@ def test_eight_workers_share_the_budget_one_at_a_time(tmp_path):
         # Serialization: each admitted worker's chunks (first start to last
         # end, one system-wide monotonic clock) never overlap another's.
         spans = sorted((r["spans"][0][0], r["spans"][-1][1]) for r in admitted)
-        assert all(len(r["spans"]) == 2 for r in admitted)
+        assert all(len(r["spans"]) == 2 and r["chunk_bytes"] == MIB for r in admitted)
         for (_, end), (start, _) in zip(spans, spans[1:]):
             assert end <= start, f"two registrations in flight at once: {spans}"
         s = _stats(d)
