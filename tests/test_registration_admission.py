@@ -319,3 +319,33 @@ def test_failure_at_chunk_k_undoes_and_stages(tmp_path):
     finally:
         _finish(procs)
         cleanup(d)
+
+
+def test_a_session_that_ends_during_admission_keeps_nothing():
+    clock = _Clock()
+    answers = iter([True, False])  # open at the first check, gone at the re-check
+    adm = RegistrationAdmission(ServerConfig(registration_budget_bytes=4 * MIB), lambda s: next(answers),
+                                clock=clock)
+    got = adm.admit("a", MIB, pid=1)
+    assert (got.admitted, got.reason) == (False, "session")
+    stats = adm.stats()
+    assert stats["hwr_registration_admitted_bytes"] == 0
+    assert stats["hwr_registrations_in_flight"] == 0
+
+
+def test_an_unreachable_daemon_means_staging_not_an_error(tmp_path):
+    from hwr_client.registration import RegistrationBroker
+    from hwr_client.session import Session
+
+    d = make_daemon(tmp_path).start()
+    try:
+        session = Session(d.socket, connect_timeout_s=2.0)
+        broker = RegistrationBroker(session, wait_s=0)
+        assert broker.request(MIB).admitted
+        d.kill()
+        grant = broker.request(MIB)
+        assert (grant.admitted, grant.reason) == (False, "daemon")
+        assert not broker.release(grant)
+        session.close()
+    finally:
+        cleanup(d)
