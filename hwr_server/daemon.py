@@ -169,8 +169,9 @@ class Daemon:
             False: StreamAdmission(cfg, socket_name="runtime socket", deadlines=deadlines),
             True: StreamAdmission(cfg, socket_name="admin socket", deadlines=deadlines, per_peer=False),
         }
-        figures: list[tuple[str, StatsSource]] = [("store", StoreStats(store.figures)), ("leases", leases), ("sources", sources), ("gc", gc),
-                   ("scrub", scrub), ("streams", self._admission[False]), ("registration", registration), ("daemon", self)]
+        figures: list[tuple[str, StatsSource]] = [
+            ("store", StoreStats(store.figures)), ("leases", leases), ("sources", sources), ("gc", gc),
+            ("scrub", scrub), ("streams", self._admission[False]), ("registration", registration), ("daemon", self)]
         metrics = self._built("metrics", Metrics(cfg, figures, started_unix=self.started_unix))
         return Components(store, leases, sources, gc, scrub, metrics, registration)
 

@@ -235,6 +235,7 @@ class RegistrationAdmission:
             self._admitted += nbytes
             self._in_flight += 1
             self._outcomes["admitted"] += 1
+            node_admitted = self._admitted
         # The session may have ended between the first check and the record:
         # its end hook ran before our record existed and freed nothing, so
         # free it here (the same re-check AcquireLease does for deletes).
@@ -243,7 +244,7 @@ class RegistrationAdmission:
             return self._refuse(SESSION, "the session ended during admission; open a new one")
         log.info("registration %s… admitted: pid %d (%s) %s, %.2f GiB in chunks of %.2f GiB; %.2f of %.2f GiB "
                  "admitted on the node", reg.rid[:6], pid, client_name, label or "unlabelled", nbytes / _GIB,
-                 self.chunk_bytes / _GIB, self._admitted / _GIB, self.budget / _GIB)
+                 self.chunk_bytes / _GIB, node_admitted / _GIB, self.budget / _GIB)
         return Admission(True, reg.rid, self.chunk_bytes)
 
     def _refuse(self, reason: str, detail: str) -> Admission:
@@ -301,8 +302,9 @@ class RegistrationAdmission:
             if r is None or r.session_id != session_id:
                 return False
             self._drop_locked(r)
+            left = self._admitted
         log.info("registration %s… (pid %d) released (%s): %.2f GiB back, %.2f of %.2f GiB admitted", rid[:6],
-                 r.pid, reason, r.nbytes / _GIB, self._admitted / _GIB, self.budget / _GIB)
+                 r.pid, reason, r.nbytes / _GIB, left / _GIB, self.budget / _GIB)
         return True
 
     def _drop_locked(self, r: _Registration) -> None:
