@@ -156,8 +156,12 @@ class RegistrationAdmission:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stops the watchdog thread."""
+        """Stops the watchdog thread and refuses every waiting request, so
+        no rpc thread sits in a wait that would hold the daemon's exit (the
+        pool's threads are joined at interpreter exit)."""
         self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -221,6 +225,8 @@ class RegistrationAdmission:
                         f"(registration_budget_bytes / registration_budget_fraction); stage instead"))
                 if self._in_flight < self.max_in_flight:
                     break
+                if self._stop.is_set():
+                    return self._refuse_locked(BUSY, "the daemon is stopping; stage instead")
                 left = deadline - self._clock()
                 if left <= 0:
                     return self._refuse_locked(BUSY, (

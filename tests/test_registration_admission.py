@@ -129,6 +129,21 @@ def test_watchdog_refuses_until_the_stalled_chunk_completes():
     assert adm.admit("b", MIB, pid=2).admitted
 
 
+def test_stop_refuses_a_waiting_request():
+    import threading
+
+    adm = RegistrationAdmission(ServerConfig(registration_budget_bytes=4 * MIB), lambda s: True)
+    assert adm.admit("a", MIB, pid=1).admitted  # takes the only slot
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(adm.admit("b", MIB, pid=2, wait_s=60)))
+    waiter.start()
+    # Waiting already or about to: either way it must not wait out its 60 s.
+    adm.stop()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    assert got[0].reason == "busy" and "stopping" in got[0].detail
+
+
 def test_watchdog_clears_when_the_stalled_session_ends():
     clock, sessions = _Clock(), {"a", "b"}
     adm = _admission(sessions, clock)
