@@ -142,6 +142,30 @@ class ServerConfig:
     #: Count. Default 1024 (a worker holds one per artifact it maps).
     max_leases_per_session: int = 1024
 
+    # -- issue 17, host registration admission (hwr_server.registration) --
+    #: Bytes of host memory all workers of the node may have registered
+    #: (pinned for the device) at once; more is refused "budget" and the
+    #: worker stages. Bytes; 0 = registration_budget_fraction of MemTotal.
+    registration_budget_bytes: int = 0
+    #: The budget as a fraction of the node's MemTotal when
+    #: registration_budget_bytes is 0. In (0, 1]; default 0.5: pinned pages
+    #: cannot be reclaimed, and the page cache and the workers need the rest.
+    registration_budget_fraction: float = 0.5
+    #: Registrations in flight on the node at once; more wait (up to
+    #: registration_max_wait_s), then are refused "busy". Count. Default 1:
+    #: pinning serializes on driver-global locks anyway.
+    max_registrations_in_flight: int = 1
+    #: Largest range a worker registers in one call, bytes; each chunk is
+    #: logged and counted. Default 1 GiB.
+    registration_chunk_bytes: int = 1024 ** 3
+    #: A chunk not reported within this long is a stall: logged, counted,
+    #: shown in `hwr stats`, and new registrations are refused "watchdog"
+    #: until it completes. Seconds. Default 60 (1 GiB of cold pages from a
+    #: slow disk takes well under that).
+    registration_chunk_timeout_s: float = 60.0
+    #: Longest a request waits for an in-flight slot. Seconds. Default 300.
+    registration_max_wait_s: float = 300.0
+
     def resolved(self) -> "ServerConfig":
         """A copy with empty paths filled from :func:`default_paths`."""
         root, sock, admin = default_paths()

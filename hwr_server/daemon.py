@@ -45,6 +45,7 @@ from hwr_server.interfaces import Lifecycle, StatsSource
 from hwr_server.leases import LeaseManager
 from hwr_server.lock import InstanceLock
 from hwr_server.metrics import Metrics, StoreStats
+from hwr_server.registration import RegistrationAdmission
 from hwr_server.scrub import Scrubber
 from hwr_server.sdnotify import Notifier
 from hwr_server.sources import SourceCache
@@ -70,6 +71,7 @@ class Components:
     gc: Collector
     scrub: Scrubber
     metrics: Metrics
+    registration: RegistrationAdmission
 
 
 class Daemon:
@@ -155,16 +157,23 @@ class Daemon:
         # or any publication can call it.
         store.capacity_hook = gc.capacity_hook
         scrub = self._built("scrub", Scrubber(cfg, store, leases))
+        # The node's registration budget; a session's admitted bytes return
+        # to it on every session end, so the hook is set here, before any
+        # session can open. Liveness is LeaseManager.keepalive (a call on
+        # the session proves it alive, as AcquireLease does).
+        registration = self._built("registration", RegistrationAdmission(cfg, leases.keepalive))
+        leases.on_session_end = registration.end_session
         # One timer thread for the first-message deadlines of both sockets.
         deadlines = self._built("deadlines", Deadlines())
         self._admission = {
             False: StreamAdmission(cfg, socket_name="runtime socket", deadlines=deadlines),
             True: StreamAdmission(cfg, socket_name="admin socket", deadlines=deadlines, per_peer=False),
         }
-        figures: list[tuple[str, StatsSource]] = [("store", StoreStats(store.figures)), ("leases", leases), ("sources", sources), ("gc", gc),
-                   ("scrub", scrub), ("streams", self._admission[False]), ("daemon", self)]
+        figures: list[tuple[str, StatsSource]] = [
+            ("store", StoreStats(store.figures)), ("leases", leases), ("sources", sources), ("gc", gc),
+            ("scrub", scrub), ("streams", self._admission[False]), ("registration", registration), ("daemon", self)]
         metrics = self._built("metrics", Metrics(cfg, figures, started_unix=self.started_unix))
-        return Components(store, leases, sources, gc, scrub, metrics)
+        return Components(store, leases, sources, gc, scrub, metrics, registration)
 
     def _built(self, name: str, component: _C) -> _C:
         """Records a component with background work for start() and shutdown()."""

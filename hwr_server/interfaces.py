@@ -19,6 +19,9 @@ Seams::
     leases    -> store:  LeaseStore     (get, contains)
     recovery  -> store:  RecoveryStore  (layout, load_index, quarantine)
     metrics   -> each:   StatsSource    (flat figures)
+    registration -> leases: a ``session_id -> bool`` liveness callable
+                 (LeaseManager.keepalive); leases -> registration: the
+                 ``on_session_end`` hook (RegistrationAdmission.end_session)
     daemon    -> each:   Lifecycle      (start, stop)
 """
 

@@ -153,6 +153,11 @@ class LeaseManager:
             self._db.execute(stmt)
         self._load()
         self._grace_deadline = time.monotonic() + float(config.lease_grace_s)
+        #: Called with the session id after every session end (close, crash,
+        #: SIGKILL, timeout, shutdown), outside the lock; the daemon sets it
+        #: once before serving, so registration admission frees the ended
+        #: session's pinned bytes (hwr_server.registration).
+        self.on_session_end: Callable[[str], object] | None = None
 
     # -- persistence -----------------------------------------------------------
 
@@ -340,6 +345,10 @@ class LeaseManager:
             session = self._sessions.pop(session_id, None)
             if session is None:
                 return 0
+        if self.on_session_end is not None:
+            # Outside the lock: the hook takes its own, and never ours.
+            self.on_session_end(session_id)
+        with self._lock:
             if self._closing:
                 for h in session.leases:
                     if h in self._leases:

@@ -65,6 +65,19 @@ HELP = {
     "hwr_recovery_seconds": "Seconds the last start-up recovery took.",
     "hwr_uptime_seconds": "Seconds since the daemon started.",
     "hwr_scrub_bytes": "Bytes re-hashed by the background scrub.",
+    "hwr_registration_budget_bytes": "Node-wide budget of host bytes registered (pinned) for the device.",
+    "hwr_registration_admitted_bytes": "Host bytes admitted for registration on the node now.",
+    "hwr_registration_worker_bytes": "Host bytes admitted for registration per worker (session, pid).",
+    "hwr_registrations_in_flight": "Registrations admitted whose chunks are not all reported yet.",
+    "hwr_registration_admissions": "Registration requests by outcome (admitted or the refusal reason).",
+    "hwr_registration_chunks": "Registered chunks reported by workers.",
+    "hwr_registration_chunk_bytes": "Bytes of the registered chunks reported by workers.",
+    "hwr_registration_chunk_seconds": "Seconds the reported registration chunks took.",
+    "hwr_registration_last_chunk_gbps": "GB/s of the last reported registration chunk.",
+    "hwr_registration_watchdog_stalls": "Chunks that ran past registration_chunk_timeout_s.",
+    "hwr_registration_watchdog_stalled": "Chunks running past the limit now (new registrations refused while > 0).",
+    "hwr_registration_watchdog_stalled_seconds": "Age of the oldest stalled chunk, seconds.",
+    "hwr_registrations_released": "Registrations whose bytes returned to the budget (release or session end).",
 }
 
 

@@ -2,9 +2,9 @@
 
 Each rpc is one line that hands (components, request, context) to the
 handler of its concept (``rpc_store``, ``rpc_leases``, ``rpc_sources``,
-``rpc_gc``, ``rpc_stats``). Handlers parse and validate the request, call the
-component, and build the reply; they raise :mod:`hwr_client.core.errors`
-classes. This module converts those into gRPC statuses in ONE place
+``rpc_gc``, ``rpc_stats``, ``rpc_registration``). Handlers parse and
+validate the request, call the component, and build the reply; they raise
+:mod:`hwr_client.core.errors` classes. This module converts those into gRPC statuses in ONE place
 (:func:`_abort`), so no handler ever touches status codes.
 
 The same two servicer classes serve both sockets; on the runtime socket
@@ -26,7 +26,7 @@ import grpc
 
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
 from hwr_client.core.errors import HwrError, PermissionDenied, Unavailable, status_code_of
-from hwr_server import peers, rpc_gc, rpc_leases, rpc_sources, rpc_stats, rpc_store
+from hwr_server import peers, rpc_gc, rpc_leases, rpc_registration, rpc_sources, rpc_stats, rpc_store
 from hwr_server.admission import StreamAdmission
 
 if TYPE_CHECKING:
@@ -122,6 +122,9 @@ class RuntimeServicer(_Base, pb_grpc.RuntimeServicer):
     AcquireLease = _handler(rpc_leases.acquire, "AcquireLease")
     ReleaseLease = _handler(rpc_leases.release, "ReleaseLease")
     ResolveSources = _handler(rpc_sources.resolve, "ResolveSources")
+    AdmitRegistration = _handler(rpc_registration.admit, "AdmitRegistration")
+    ReportRegistrationChunk = _handler(rpc_registration.report_chunk, "ReportRegistrationChunk")
+    ReleaseRegistration = _handler(rpc_registration.release, "ReleaseRegistration")
 
 
 class AdminServicer(_Base, pb_grpc.AdminServicer):

@@ -226,6 +226,68 @@ class ReportCorruptionReply(_message.Message):
     problems: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, quarantined: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class AdmitRegistrationRequest(_message.Message):
+    __slots__ = ("session_id", "nbytes", "label", "wait_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    nbytes: int
+    label: str
+    wait_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., label: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class AdmitRegistrationReply(_message.Message):
+    __slots__ = ("admitted", "registration_id", "chunk_bytes", "reason", "detail")
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    admitted: bool
+    registration_id: str
+    chunk_bytes: int
+    reason: str
+    detail: str
+    def __init__(self, admitted: _Optional[bool] = ..., registration_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ReportRegistrationChunkRequest(_message.Message):
+    __slots__ = ("session_id", "registration_id", "nbytes", "seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    registration_id: str
+    nbytes: int
+    seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., registration_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class ReportRegistrationChunkReply(_message.Message):
+    __slots__ = ("known", "complete")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    complete: bool
+    def __init__(self, known: _Optional[bool] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class ReleaseRegistrationRequest(_message.Message):
+    __slots__ = ("session_id", "registration_id", "reason")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    registration_id: str
+    reason: str
+    def __init__(self, session_id: _Optional[str] = ..., registration_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseRegistrationReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
 class ResolveSourcesRequest(_message.Message):
     __slots__ = ("paths",)
     PATHS_FIELD_NUMBER: _ClassVar[int]

@@ -73,6 +73,21 @@ class RuntimeStub:
                 request_serializer=hwr__pb2.ResolveSourcesRequest.SerializeToString,
                 response_deserializer=hwr__pb2.ResolveSourcesReply.FromString,
                 _registered_method=True)
+        self.AdmitRegistration = channel.unary_unary(
+                '/hwr.v1.Runtime/AdmitRegistration',
+                request_serializer=hwr__pb2.AdmitRegistrationRequest.SerializeToString,
+                response_deserializer=hwr__pb2.AdmitRegistrationReply.FromString,
+                _registered_method=True)
+        self.ReportRegistrationChunk = channel.unary_unary(
+                '/hwr.v1.Runtime/ReportRegistrationChunk',
+                request_serializer=hwr__pb2.ReportRegistrationChunkRequest.SerializeToString,
+                response_deserializer=hwr__pb2.ReportRegistrationChunkReply.FromString,
+                _registered_method=True)
+        self.ReleaseRegistration = channel.unary_unary(
+                '/hwr.v1.Runtime/ReleaseRegistration',
+                request_serializer=hwr__pb2.ReleaseRegistrationRequest.SerializeToString,
+                response_deserializer=hwr__pb2.ReleaseRegistrationReply.FromString,
+                _registered_method=True)
 
 
 class RuntimeServicer:
@@ -142,6 +157,37 @@ class RuntimeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdmitRegistration(self, request, context):
+        """Asks the daemon before pinning host memory for the device (CUDA host
+        registration, DESIGN §16): admitted within the node-wide budget of
+        registered bytes, at most max_registrations_in_flight at once, in chunks
+        of at most chunk_bytes; otherwise refused with a reason, and the worker
+        takes the staging path. A refusal is a normal reply, never an error.
+        Bound to the calling session: the bytes return to the budget when the
+        session ends (exit, crash, SIGKILL).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportRegistrationChunk(self, request, context):
+        """Reports one registered chunk (bytes, seconds): the progress log, the
+        metrics and the watchdog. The registration leaves the in-flight set when
+        its chunks cover the admitted bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseRegistration(self, request, context):
+        """Returns an admitted registration's bytes to the budget (after
+        unregistering, or after a failed chunk). Unknown ids answer
+        released=false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +225,21 @@ def add_RuntimeServicer_to_server(servicer, server):
                     servicer.ResolveSources,
                     request_deserializer=hwr__pb2.ResolveSourcesRequest.FromString,
                     response_serializer=hwr__pb2.ResolveSourcesReply.SerializeToString,
+            ),
+            'AdmitRegistration': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdmitRegistration,
+                    request_deserializer=hwr__pb2.AdmitRegistrationRequest.FromString,
+                    response_serializer=hwr__pb2.AdmitRegistrationReply.SerializeToString,
+            ),
+            'ReportRegistrationChunk': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRegistrationChunk,
+                    request_deserializer=hwr__pb2.ReportRegistrationChunkRequest.FromString,
+                    response_serializer=hwr__pb2.ReportRegistrationChunkReply.SerializeToString,
+            ),
+            'ReleaseRegistration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseRegistration,
+                    request_deserializer=hwr__pb2.ReleaseRegistrationRequest.FromString,
+                    response_serializer=hwr__pb2.ReleaseRegistrationReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -374,6 +435,87 @@ class Runtime:
             '/hwr.v1.Runtime/ResolveSources',
             hwr__pb2.ResolveSourcesRequest.SerializeToString,
             hwr__pb2.ResolveSourcesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmitRegistration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.Runtime/AdmitRegistration',
+            hwr__pb2.AdmitRegistrationRequest.SerializeToString,
+            hwr__pb2.AdmitRegistrationReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRegistrationChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.Runtime/ReportRegistrationChunk',
+            hwr__pb2.ReportRegistrationChunkRequest.SerializeToString,
+            hwr__pb2.ReportRegistrationChunkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseRegistration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.Runtime/ReleaseRegistration',
+            hwr__pb2.ReleaseRegistrationRequest.SerializeToString,
+            hwr__pb2.ReleaseRegistrationReply.FromString,
             options,
             channel_credentials,
             insecure,

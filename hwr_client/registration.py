@@ -1,0 +1,171 @@
+"""The worker's side of registration admission (DESIGN §16, issue 17).
+
+Before pinning host memory for the device (``cudaHostRegister``), a worker
+asks the node daemon, which owns the node-wide budget, the in-flight cap, the
+chunk size and the watchdog (:mod:`hwr_server.registration`). The transport
+uses :class:`RegistrationBroker`::
+
+    broker = RegistrationBroker(client.session())
+    grant = broker.request(nbytes, label="blocks-00 [0, 4 GiB)")
+    if not grant.admitted:
+        ...  # stage; grant.reason says why ("budget", "watchdog", "busy", ...)
+    for offset, length in grant.chunks:
+        t0 = time.monotonic(); register(offset, length)  # one cudaHostRegister
+        broker.chunk_done(grant, length, time.monotonic() - t0)
+    ...
+    broker.release(grant)  # after cudaHostUnregister
+
+or :meth:`RegistrationBroker.register`, which does that loop and releases on
+a failed chunk. Nothing here raises for a refusal or an unreachable daemon:
+both answer "not admitted", and the worker stages. The admitted bytes are
+bound to the session, so the daemon frees them when this process dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+from hwr_client.channel import DEFAULT_TIMEOUT_S
+from hwr_client.channel import call as call_unary
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.errors import HwrError
+from hwr_client.session import Session
+
+log = logging.getLogger(__name__)
+
+#: Reason of a refusal made by this side: the daemon could not be asked.
+UNREACHABLE = "daemon"
+#: Reason of a registration that failed at a chunk (see register()).
+FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class RegistrationGrant:
+    """The daemon's answer to one request.
+
+    Attributes:
+        admitted: True: register ``chunks`` now, reporting each.
+        registration_id: the daemon's id (empty when refused).
+        nbytes: the bytes asked for.
+        chunks: ``(offset, length)`` ranges covering ``[0, nbytes)``, each at
+            most the daemon's chunk size; empty when refused.
+        reason: empty when admitted; else "budget", "watchdog", "busy",
+            "session", "empty", "daemon" (unreachable) or "failed".
+        detail: the refusal in words.
+        chunk_bytes: the daemon's largest chunk, bytes (0 when it was not
+            reached); a caller that plans its own chunks (per mapped file)
+            cuts them at most this large.
+    """
+
+    admitted: bool
+    registration_id: str
+    nbytes: int
+    chunks: tuple[tuple[int, int], ...]
+    reason: str = ""
+    detail: str = ""
+    chunk_bytes: int = 0
+
+
+def plan_chunks(nbytes: int, chunk_bytes: int) -> tuple[tuple[int, int], ...]:
+    """``[0, nbytes)`` cut into ``(offset, length)`` pieces of at most
+    ``chunk_bytes`` (the last may be shorter)."""
+    if chunk_bytes <= 0:
+        return ((0, nbytes),) if nbytes > 0 else ()
+    return tuple((o, min(chunk_bytes, nbytes - o)) for o in range(0, nbytes, chunk_bytes))
+
+
+class RegistrationBroker:
+    """Asks the node daemon before registering; one per worker process.
+
+    Args:
+        session: this process's session (``Client.session()``); the
+            admitted bytes are bound to it.
+        wait_s: how long a request may wait for an in-flight slot (the
+            daemon caps it at its ``registration_max_wait_s``).
+    """
+
+    def __init__(self, session: Session, *, wait_s: float = 120.0):
+        self.session = session
+        self.wait_s = wait_s
+
+    def request(self, nbytes: int, *, label: str = "", wait_s: float | None = None) -> RegistrationGrant:
+        """Asks to register ``nbytes``; never raises for a refusal or an
+        unreachable daemon (both answer ``admitted=False``)."""
+        wait = self.wait_s if wait_s is None else wait_s
+        try:
+            sid = self.session.session_id()
+            reply = call_unary(self.session.runtime.AdmitRegistration,
+                               pb.AdmitRegistrationRequest(session_id=sid, nbytes=nbytes, label=label,
+                                                           wait_ms=int(max(0.0, wait) * 1000)),
+                               timeout=wait + DEFAULT_TIMEOUT_S)
+        except HwrError as exc:
+            log.info("registration of %s (%d bytes): daemon not asked (%s); staging", label, nbytes, exc)
+            return RegistrationGrant(False, "", nbytes, (), UNREACHABLE, str(exc))
+        if not reply.admitted:
+            log.info("registration of %s (%d bytes) refused (%s): %s; staging", label, nbytes, reply.reason,
+                     reply.detail)
+            return RegistrationGrant(False, "", nbytes, (), reply.reason, reply.detail, int(reply.chunk_bytes))
+        return RegistrationGrant(True, reply.registration_id, nbytes, plan_chunks(nbytes, int(reply.chunk_bytes)),
+                                 chunk_bytes=int(reply.chunk_bytes))
+
+    def chunk_done(self, grant: RegistrationGrant, nbytes: int, seconds: float) -> bool:
+        """Reports one registered chunk; False when the daemon no longer
+        knows the registration (or could not be told)."""
+        try:
+            reply = call_unary(self.session.runtime.ReportRegistrationChunk,
+                               pb.ReportRegistrationChunkRequest(session_id=self.session.session_id(),
+                                                                 registration_id=grant.registration_id,
+                                                                 nbytes=nbytes, seconds=seconds))
+        except HwrError as exc:
+            log.warning("registration %s…: chunk report failed: %s", grant.registration_id[:6], exc)
+            return False
+        return bool(reply.known)
+
+    def release(self, grant: RegistrationGrant, *, reason: str = "unregistered") -> bool:
+        """Returns the grant's bytes to the node's budget (call after
+        unregistering); False when there was nothing to release."""
+        if not grant.admitted:
+            return False
+        try:
+            reply = call_unary(self.session.runtime.ReleaseRegistration,
+                               pb.ReleaseRegistrationRequest(session_id=self.session.session_id(),
+                                                             registration_id=grant.registration_id, reason=reason))
+        except HwrError as exc:
+            # The session's end frees the bytes anyway.
+            log.warning("registration %s…: release failed: %s", grant.registration_id[:6], exc)
+            return False
+        return bool(reply.released)
+
+    def register(self, nbytes: int, register_chunk: Callable[[int, int], None], *,
+                 unregister_chunk: Callable[[int, int], None] | None = None, label: str = "",
+                 wait_s: float | None = None) -> RegistrationGrant:
+        """Admission, then ``register_chunk(offset, length)`` per chunk, each
+        timed and reported.
+
+        A chunk that raises: the chunks done are undone with
+        ``unregister_chunk`` (when given), the grant released, and a refused
+        grant with reason "failed" returned, so the caller stages. The
+        caller releases a successful grant after unregistering.
+        """
+        grant = self.request(nbytes, label=label, wait_s=wait_s)
+        if not grant.admitted:
+            return grant
+        done: list[tuple[int, int]] = []
+        for k, (offset, length) in enumerate(grant.chunks):
+            t0 = time.monotonic()
+            try:
+                register_chunk(offset, length)
+            except Exception as exc:  # noqa: BLE001 - any failure means: stage
+                for o, n in reversed(done):
+                    if unregister_chunk is not None:
+                        unregister_chunk(o, n)
+                why = f"chunk {k} [{offset}, {offset + length}) failed: {type(exc).__name__}: {exc}"
+                self.release(grant, reason=why)
+                log.warning("registration of %s: %s; staging", label, why)
+                return RegistrationGrant(False, "", nbytes, (), FAILED, why, grant.chunk_bytes)
+            done.append((offset, length))
+            self.chunk_done(grant, length, time.monotonic() - t0)
+        return grant
