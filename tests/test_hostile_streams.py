@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
+import queue
 import stat
 import subprocess
 import sys
@@ -59,14 +59,29 @@ def wait_for(pred, timeout: float, step: float = 0.05):
         time.sleep(step)
 
 
+_LINES: dict[int, "queue.Queue[str]"] = {}
+
+
 def readline(proc: subprocess.Popen, timeout: float = 30.0) -> str:
     """The child's next stdout line, or "" if none comes within ``timeout``
-    (the old daemon's hang must fail the test, not stall it)."""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            return ""
-    return proc.stdout.readline()
+    (the old daemon's hang must fail the test, not stall it).
+
+    A reader thread per child feeds a queue: select() on the pipe cannot
+    see lines already sitting in the text wrapper's buffer (two lines that
+    arrived in one read would make the second one look missing)."""
+    lines = _LINES.get(proc.pid)
+    if lines is None:
+        lines = _LINES[proc.pid] = queue.Queue()
+
+        def pump() -> None:
+            for line in proc.stdout:
+                lines.put(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+    try:
+        return lines.get(timeout=timeout)
+    except queue.Empty:
+        return ""
 
 
 def publish(d, **extra) -> str:
@@ -228,6 +243,7 @@ def test_the_per_process_cap_counts_the_pid_the_kernel_names(make_daemon_fixture
         from hwr_client.core._proto import hwr_pb2 as pb, hwr_pb2_grpc as pb_grpc
         stub = pb_grpc.RuntimeStub(open_channel(sys.argv[1]))
         never = threading.Event()
+        out_lock = threading.Lock()
         def silent():
             never.wait()
             yield pb.SessionRequest()
@@ -235,7 +251,11 @@ def test_the_per_process_cap_counts_the_pid_the_kernel_names(make_daemon_fixture
             try:
                 next(call)
             except grpc.RpcError as err:
-                print(err.code().name, err.details(), flush=True)
+                # One write per line: print(a, b) writes its pieces apart,
+                # and two watcher threads would interleave them.
+                with out_lock:
+                    sys.stdout.write(f"{err.code().name} {err.details()}\\n")
+                    sys.stdout.flush()
         print(os.getpid(), flush=True)
         for _ in range(5):
             threading.Thread(target=watch, args=(stub.Session(silent()),), daemon=True).start()
