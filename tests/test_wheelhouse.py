@@ -179,3 +179,26 @@ def test_wheelhouse_exits_3_when_the_index_is_unreachable(tmp_path: pathlib.Path
     # within seconds (one retry, short timeout), not a generic failure.
     r = _run([".ci/wheelhouse", str(tmp_path / "wh"), "--python", PYVER], timeout=120, **NO_NET)
     assert r.returncode == 3 and "index unreachable" in r.stderr, r.stderr
+
+
+def test_setup_replaces_an_older_dependency_with_the_wheelhouse_one(
+        venv: pathlib.Path, wheelhouse: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # What a GPU image's older system package (or a stale reused venv) looks
+    # like to pip: a version that satisfies pyproject's floor but is older
+    # than the wheelhouse's. The install must end on the wheelhouse's.
+    old = tmp_path / "old"
+    r = subprocess.run([sys.executable, "-m", "pip", "--isolated", "download", "-q", "--no-deps",
+                        "--only-binary=:all:", "-d", str(old), "prometheus_client==0.20.0"],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        pytest.skip(f"cannot fetch prometheus_client 0.20.0: {r.stderr.strip()[-300:]}")
+    py = str(venv / "bin" / "python")
+    subprocess.run([py, "-m", "pip", "--isolated", "install", "-q", "--no-index", "--no-deps",
+                    "--find-links", str(old), "prometheus_client==0.20.0"], check=True, timeout=120)
+    version = [py, "-c", "import importlib.metadata as m; print(m.version('prometheus_client'))"]
+    assert subprocess.run(version, capture_output=True, text=True).stdout.strip() == "0.20.0"
+    r = _run([".ci/setup", "--wheelhouse", str(wheelhouse), "--no-torch"], timeout=240,
+             HWR_VENV=str(venv), **NO_NET)
+    assert r.returncode == 0, r.stderr
+    want = next(wheelhouse.glob("prometheus_client-*.whl")).name.split("-")[1]
+    assert subprocess.run(version, capture_output=True, text=True).stdout.strip() == want != "0.20.0"
