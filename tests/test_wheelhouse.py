@@ -202,3 +202,12 @@ def test_setup_replaces_an_older_dependency_with_the_wheelhouse_one(
     assert r.returncode == 0, r.stderr
     want = next(wheelhouse.glob("prometheus_client-*.whl")).name.split("-")[1]
     assert subprocess.run(version, capture_output=True, text=True).stdout.strip() == want != "0.20.0"
+
+
+def test_wheelhouse_refuses_a_python_below_requires_python(tmp_path: pathlib.Path) -> None:
+    # pyproject.toml: requires-python >= 3.11; refused before the downloads.
+    r = _run([".ci/wheelhouse", str(tmp_path / "wh"), "--python", "3.10"], timeout=240)
+    if r.returncode == 3:
+        pytest.skip(f"package index unreachable: {r.stderr.strip()[-300:]}")
+    assert r.returncode == 2 and "requires Python >=3.11" in r.stderr, r.stderr
+    assert not list((tmp_path / "wh").glob("grpcio-*.whl"))
