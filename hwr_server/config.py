@@ -23,6 +23,10 @@ from typing import Any
 
 from hwr_client.core.defaults import default_paths, parse_size
 from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.plan import PlanLimits
+
+# The plan limits' defaults are PlanLimits' own: one place for the numbers.
+_PLAN_DEFAULTS = PlanLimits()
 
 
 @dataclasses.dataclass
@@ -96,21 +100,21 @@ class ServerConfig:
     #: Tensors of one artifact (padding not counted). Count. Real FLUX, Wan
     #: and LLM checkpoints have at most ~10k; one tensor costs the daemon
     #: about 2 KiB while its publication runs.
-    max_artifact_tensors: int = 65536
+    max_artifact_tensors: int = _PLAN_DEFAULTS.max_artifact_tensors
     #: Payload files of one artifact. Count. Real checkpoints have <= ~200.
-    max_artifact_files: int = 1024
+    max_artifact_files: int = _PLAN_DEFAULTS.max_artifact_files
     #: Longest tensor name or block prefix, UTF-8 bytes; INVALID_ARGUMENT.
     #: At most 1024 (the format's own rule; a larger value means 1024).
-    max_tensor_name_bytes: int = 1024
+    max_tensor_name_bytes: int = _PLAN_DEFAULTS.max_tensor_name_bytes
     #: Dimensions of one tensor. Count; INVALID_ARGUMENT. Real weights have <= 5.
-    max_tensor_dims: int = 8
+    max_tensor_dims: int = _PLAN_DEFAULTS.max_tensor_dims
     #: safetensors header of one payload file, bytes (~60 bytes + the name
     #: per tensor: 10k tensors take ~1.5 MB). At most 100 MB, the parser's limit.
-    max_header_bytes: int = 16 * 1024 * 1024
+    max_header_bytes: int = _PLAN_DEFAULTS.max_header_bytes
     #: Manifest JSON of one artifact, bytes (~300 bytes + the name per
     #: tensor). At most 48 MiB, so Lookup and AcquireLease can always send it
     #: in one 64 MiB gRPC message.
-    max_manifest_bytes: int = 32 * 1024 * 1024
+    max_manifest_bytes: int = _PLAN_DEFAULTS.max_manifest_bytes
     #: A publication that receives no message for this long ends ABORTED: its
     #: staging removed, its slot and reservation freed. Seconds; 0 = never.
     publication_idle_s: float = 60.0
