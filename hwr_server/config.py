@@ -78,12 +78,12 @@ class ServerConfig:
     scrub_bytes_per_s: int = 0
     #: gRPC worker threads. Count.
     grpc_threads: int = 64
-    # -- issue 16, source digests (ResolveSources) --
+    # -- source digests (ResolveSources) --
     #: Paths in one ResolveSources call; more is RESOURCE_EXHAUSTED before any
     #: file is looked at. Count. Default 4096: a real checkpoint has at most a
     #: few hundred files, and the client sends at most 1024 per call.
     max_resolve_paths: int = 4096
-    # -- issue 16, trust in the filesystem (runtime directory, recovery, the store's bytes) --
+    # -- trust in the filesystem (runtime directory, recovery, the store's bytes) --
     #: Largest manifest.json the daemon reads back from the store (startup
     #: recovery, the quarantine listing, Lookup), bytes. A larger one is
     #: quarantined at startup without being read. Default 64 MiB, the gRPC
@@ -94,7 +94,7 @@ class ServerConfig:
     #: flight, and within this many seconds after it ended they get its
     #: result instead of re-hashing the artifact. Seconds; default 60.
     report_verify_interval_s: float = 60.0
-    # -- hardening, part "pubs": publication limits and idle publications ----
+    # -- publication limits and idle publications --
     # Checked at plan, before anything is built or staged; a refusal names the
     # limit, the value and the field. RESOURCE_EXHAUSTED unless noted.
     #: Tensors of one artifact (padding not counted). Count. Real FLUX, Wan
@@ -126,7 +126,7 @@ class ServerConfig:
     #: of ``capacity``, or half of the disk without one.
     peer_reserved_bytes: int = 0
 
-    # -- issue 16, threads, streams, sessions and peers (hwr_server.admission, .peers, .leases) --
+    # -- threads, streams, sessions and peers (hwr_server.admission, .peers, .leases) --
     #: Client streams (Session, Publish) one process, as proven by the peer
     #: credentials handshake, may hold at once on one socket; more answer
     #: RESOURCE_EXHAUSTED before taking a thread. Count. Default 8 (a worker
@@ -146,7 +146,7 @@ class ServerConfig:
     #: Count. Default 1024 (a worker holds one per artifact it maps).
     max_leases_per_session: int = 1024
 
-    # -- issue 17, host registration admission (hwr_server.registration) --
+    # -- host registration admission (hwr_server.registration) --
     #: Bytes of host memory all workers of the node may have registered
     #: (pinned for the device) at once; more is refused "budget" and the
     #: worker stages. Bytes; 0 = registration_budget_fraction of MemTotal.

@@ -97,43 +97,42 @@ class GcItem:
     owner: str = ""
 
 
+class _Figures:
+    """What a plan and a result both add up to: the bytes their items free
+    and the usage left after them."""
+
+    items: tuple[GcItem, ...]
+    usage_before: int
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+    @property
+    def usage_after(self) -> int:
+        return self.usage_before - self.bytes_freed
+
+
 @dataclasses.dataclass(frozen=True)
-class GcPlan:
+class GcPlan(_Figures):
     """The dry run: items in execution order and the figures they add up to."""
 
     items: tuple[GcItem, ...]
     usage_before: int
     target_bytes: int
 
-    @property
-    def bytes_freed(self) -> int:
-        return sum(i.bytes for i in self.items)
-
-    @property
-    def usage_after(self) -> int:
-        return self.usage_before - self.bytes_freed
-
     def artifact_keys(self) -> list[str]:
         return [i.name for i in self.items if i.kind == "artifact"]
 
 
 @dataclasses.dataclass(frozen=True)
-class GcResult:
+class GcResult(_Figures):
     """What :func:`hwr_server.gc.execute` actually removed."""
 
     items: tuple[GcItem, ...]
     #: (item, why) for every planned item that was left in place.
     skipped: tuple[tuple[GcItem, str], ...]
     usage_before: int
-
-    @property
-    def bytes_freed(self) -> int:
-        return sum(i.bytes for i in self.items)
-
-    @property
-    def usage_after(self) -> int:
-        return self.usage_before - self.bytes_freed
-
 
 
 # -- the pure part -----------------------------------------------------------------
