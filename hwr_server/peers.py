@@ -50,6 +50,7 @@ import threading
 import grpc
 
 from hwr_client.core.defaults import PEER_TOKEN_METADATA
+from hwr_server.recovery import Untrusted, open_stored
 
 log = logging.getLogger(__name__)
 
@@ -128,19 +129,15 @@ def load_key(root: str) -> bytes:
     """
     path = os.path.join(root, KEY_FILE)
     try:
-        # O_NONBLOCK: a FIFO planted under the name must not hang start-up.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        # The store's one rule for trusting a stored file: no link followed,
+        # no blocking open (a planted FIFO), a regular file of our uid.
+        fd, st = open_stored(path, what="peer key")
     except FileNotFoundError:
         return _new_key(path, "absent")
-    except OSError as exc:  # ELOOP: a symlink
-        return _new_key(path, f"cannot be opened ({exc.strerror})")
+    except Untrusted as exc:
+        return _new_key(path, str(exc))
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            problem = "not a regular file"
-        elif st.st_uid != os.geteuid():
-            problem = f"owned by uid {st.st_uid}, expected {os.geteuid()}"
-        elif st.st_mode & 0o077:
+        if st.st_mode & 0o077:
             problem = f"mode {stat.S_IMODE(st.st_mode):04o}, expected 0600"
         else:
             data = os.read(fd, _KEY_BYTES + 1)
