@@ -209,6 +209,30 @@ def open_channel(path: str) -> grpc.Channel:
     return grpc.intercept_channel(channel, _PeerTokenInterceptor(path))
 
 
+#: How long a finished streaming call waits for grpc's threads to leave it.
+QUIESCE_SECONDS = 5.0
+
+
+def quiesce(*threads: threading.Thread | None) -> None:
+    """Waits (bounded) for the threads that served a streaming call.
+
+    grpc pulls a request iterator from a daemon thread of its own, which is
+    still sending the half-close when the call's answer arrives. If the
+    program exits in that window, CPython's finalization ends the thread
+    with pthread_exit inside grpc's C++ code, and the process aborts
+    ("terminate called without an active exception", exit -6) after work
+    that succeeded. Callers pass the threads once the call has ended
+    (status received, cancelled or failed), so each thread's last operation
+    completes or fails at once; the bound only covers a hung grpc and is
+    not expected to expire. The calling thread itself is skipped.
+    """
+    me = threading.current_thread()
+    deadline = time.monotonic() + QUIESCE_SECONDS
+    for thread in threads:
+        if thread is not None and thread is not me:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
 def call(method: Callable[..., Any], request: Any, *, timeout: float | None = DEFAULT_TIMEOUT_S,
          **kwargs: Any) -> Any:
     """Invokes a unary stub method with a deadline.

@@ -18,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import queue
 import random
+import threading
 import time
 from typing import Callable, Iterator, Mapping, Sequence
 
 import grpc
 import torch
 
-from hwr_client.channel import RuntimeChannel
+from hwr_client.channel import RuntimeChannel, quiesce
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import Internal, InvalidArgument, from_rpc_error
 from hwr_client.core.identity import Identity
@@ -168,6 +169,7 @@ class _Requests:
         self.total = total
         self.sent = 0
         self._go: queue.Queue = queue.Queue()
+        self.consumer: threading.Thread | None = None  # grpc's thread that pulls this iterator
 
     def start(self, send_payload: bool) -> None:
         self._go.put(send_payload)
@@ -176,6 +178,7 @@ class _Requests:
         self._go.put(None)  # the call ended: let a waiting generator finish
 
     def __iter__(self) -> Iterator[pb.PublishRequest | bytes]:
+        self.consumer = threading.current_thread()
         yield pb.PublishRequest(plan=self.plan)
         send = self._go.get()  # waits for the daemon's answer to the plan
         if send is None:
@@ -259,12 +262,17 @@ def publish(
             accepted_max[0] = int(accepted.max_chunk_bytes)
             reqs.start(not accepted.already_published)
             last = next(events)
+            # The daemon ends the call after `committed`: wait for its status
+            # so no grpc thread still works on this call when we return.
+            for extra in events:
+                raise Internal(f"publish: the daemon sent {extra.WhichOneof('kind')!r} after `committed`")
         except StopIteration:
             raise Internal("publish: the daemon closed the stream without an answer") from None
     except grpc.RpcError as err:
         raise from_rpc_error(err) from None
     finally:
         reqs.stop()
+        quiesce(reqs.consumer)  # see quiesce: no grpc thread may outlive the call
     done = last.committed
     manifest = Manifest.from_json(done.manifest_json, what=f"artifact {done.key[:12]} manifest")
     if done.key != plan.identity.key:

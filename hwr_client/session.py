@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Protocol
 import grpc
 
 from hwr_client.channel import call as call_unary
-from hwr_client.channel import forget_peer_token, open_channel
+from hwr_client.channel import forget_peer_token, open_channel, quiesce
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
 from hwr_client.core.errors import FailedPrecondition, HwrError, Unavailable, from_rpc_error
@@ -88,6 +88,9 @@ class Session:
         self._closed = False
         self._call: Any = None
         self._outbox: queue.Queue | None = None
+        # The threads serving the current stream: ours that reads it and
+        # grpc's that pulls _requests (close() waits for both, see quiesce).
+        self._threads: list[threading.Thread] = []
         self._interval_s = 1.0
         self.reconnects = 0
         try:
@@ -100,6 +103,8 @@ class Session:
     # -- stream ----------------------------------------------------------------
 
     def _requests(self, outbox: queue.Queue, opener: pb.SessionRequest) -> Iterator[pb.SessionRequest]:
+        with self._cond:
+            self._threads.append(threading.current_thread())
         yield opener
         while True:
             try:
@@ -124,6 +129,9 @@ class Session:
             # its stream is the current one when it breaks.
             self._call, self._outbox = call, outbox
         reader = threading.Thread(target=self._read, args=(call, first, got), name="hwr-session", daemon=True)
+        with self._cond:
+            # Threads of a broken earlier stream have ended or are ending.
+            self._threads = [t for t in self._threads if t.is_alive()] + [reader]
         reader.start()
         # Wait for SessionOpened (or the stream's failure); bounded so that a
         # hung daemon turns into Unavailable instead of a hung worker.
@@ -291,7 +299,7 @@ class Session:
             if self._closed:
                 return
             self._closed = True
-            call, outbox = self._call, self._outbox
+            call, outbox, threads = self._call, self._outbox, list(self._threads)
             self._cond.notify_all()
         if self.pid != os.getpid():
             return  # a forked child must never touch the parent's stream
@@ -300,6 +308,7 @@ class Session:
         if call is not None:
             call.cancel()
         self.channel.close()
+        quiesce(*threads)  # a process may exit right after close()
 
 
 def _none_ref() -> None:
