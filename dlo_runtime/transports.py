@@ -5,11 +5,11 @@ Best first:
 ``registered``
     The lease's mapped files are registered with ``cudaHostRegister``
     (read-only flag, whole pages per file, chunks of at most
-    :data:`MAX_CHUNK_BYTES`, each pre-faulted just before its call so the
-    driver pins resident pages instead of reading them from disk under its
-    locks), so each block copies straight from the mapping into its device
-    buffer. No staging memory is allocated. While registered, the ranges hold
-    the lease and its mappings (:func:`mapping_keepalive`).
+    :data:`MAX_CHUNK_BYTES` or the daemon's chunk size, all pre-faulted first
+    so the driver pins resident pages instead of reading them from disk under
+    its locks), so each block copies straight from the mapping into its
+    device buffer. No staging memory is allocated. While registered, the
+    ranges hold the lease and its mappings (:func:`mapping_keepalive`).
 ``staging``
     Two bounded staging slots (pinned when the pin policy allows) sized to the
     largest streamed block: mapping -> slot (host memcpy) -> device.
@@ -23,11 +23,19 @@ Best first:
     and staging gain nothing there and are skipped; blocks copy straight from
     the mapping. The backend reports it so an operator can run resident.
 
+Admission (issue 17): a lease bound to a daemon session registers only what
+the node daemon admits (:mod:`hwr_client.registration`): pre-fault, then
+``request(total)``, then one ``chunk_done`` per registered chunk, and
+``release`` once every chunk is unregistered (or rolled back). A source
+without a daemon session (a local artifact, a test lease) registers without
+admission, as before: nothing on the node accounts for it.
+
 Registration outcomes follow the seed exactly:
 
 - pin policy disabled, platform without support, over
-  ``registration_limit_gib`` or a failed call that was rolled back completely
-  -> ``staging`` (with the reason);
+  ``registration_limit_gib``, not admitted by the daemon (over its budget,
+  watchdog, busy, unreachable) or a failed call that was rolled back
+  completely -> ``staging`` (with the reason);
 - a failed call whose rollback also failed -> :class:`RegistrationAborted`:
   startup aborts and the lease must stay open (closing it would unmap memory
   the driver still holds);
@@ -44,6 +52,7 @@ from typing import Any, Callable, Sequence
 
 from hwr_client.core.errors import Internal
 from hwr_client.mapping import PAGE_SIZE, Region
+from hwr_client.registration import RegistrationBroker, RegistrationGrant, broker_for
 
 from dlo_runtime.cuda_host import HOST_REGISTER_DEFAULT, HOST_REGISTER_READ_ONLY, HostCapability, Registrar, prefault
 
@@ -103,13 +112,31 @@ class Chunk:
 
 
 @dataclasses.dataclass(frozen=True)
+class Admitted:
+    """A registration the node daemon admitted: the broker to report to and
+    its grant."""
+
+    broker: RegistrationBroker
+    grant: RegistrationGrant
+
+    def release(self, reason: str) -> bool:
+        """Returns the grant's bytes to the node's budget; never raises."""
+        return self.broker.release(self.grant, reason=reason)
+
+
+@dataclasses.dataclass(frozen=True)
 class TransportChoice:
-    """The transport the backend will use, why, and what was registered."""
+    """The transport the backend will use, why, and what was registered.
+
+    ``grant`` is the daemon's answer when it was asked (None: no daemon
+    session behind the source, or registration declined before asking).
+    """
 
     kind: str
     reason: str
     ranges: "RegisteredRanges | None" = None
     calls: tuple[RegistrationCall, ...] = ()
+    grant: RegistrationGrant | None = None
 
     @property
     def registered_bytes(self) -> int:
@@ -171,12 +198,15 @@ def mapping_keepalive(source: Any) -> tuple:
 
 class RegisteredRanges:
     """Chunks currently registered, plus references that keep their memory
-    mapped (the lease and its mappings) until every chunk is unregistered."""
+    mapped (the lease and its mappings) until every chunk is unregistered,
+    and the daemon's admission, released once they all are."""
 
-    def __init__(self, registrar: Registrar, chunks: Sequence[Chunk], keepalive: Any):
+    def __init__(self, registrar: Registrar, chunks: Sequence[Chunk], keepalive: Any,
+                 admitted: Admitted | None = None):
         self._registrar = registrar
         self._chunks = list(chunks)
         self._keepalive = keepalive
+        self._admitted = admitted
         self.calls: list[RegistrationCall] = []
         self.prefaults: list[tuple[Chunk, str, float]] = []
 
@@ -200,12 +230,23 @@ class RegisteredRanges:
         """The chunks still registered, in registration order."""
         return tuple(self._chunks)
 
-    def unregister(self) -> None:
-        """Unregisters every remaining chunk, last first. Retryable.
+    @property
+    def admitted(self) -> Admitted | None:
+        """The daemon's admission, until it is released (None without one)."""
+        return self._admitted
+
+    def unregister(self, *, reason: str = "unregistered") -> None:
+        """Unregisters every remaining chunk, last first, then returns the
+        admitted bytes to the node's budget (``reason`` is logged by the
+        daemon). Retryable.
 
         Raises:
             UnregisterFailed: a call failed; that chunk and the ones before it
-                stay registered (and the mapping stays referenced).
+                stay registered (and the mapping stays referenced). The
+                admission is NOT released: those bytes are still pinned, so
+                the node's budget must keep counting them (the daemon frees
+                them with the session, when this process ends and the driver
+                unpins everything anyway).
         """
         while self._chunks:
             chunk = self._chunks[-1]
@@ -218,6 +259,9 @@ class RegisteredRanges:
                 )
             self._chunks.pop()
         self._keepalive = None
+        admitted, self._admitted = self._admitted, None
+        if admitted is not None:
+            admitted.release(reason)
 
 
 def registration_decline_reason(capability: HostCapability, *, pin_memory: bool = True, total: int = 0,
@@ -251,12 +295,19 @@ def register_regions(
     limit_bytes: int = 0,
     chunk_bytes: int = MAX_CHUNK_BYTES,
     prefault_fn: Prefault | None = default_prefault,
+    broker: RegistrationBroker | None = None,
+    label: str = "",
 ) -> TransportChoice:
     """Registers all regions, or none: THE registration entry point.
 
-    Each chunk is pre-faulted (``prefault_fn``, None = cold) right before
-    its ``cudaHostRegister``, so the driver pins resident pages instead of
-    reading them from disk under its locks.
+    Order: decline rule -> pre-fault every chunk (``prefault_fn``, None =
+    cold) -> ask the daemon (``broker``) -> register chunk by chunk, each
+    reported. Pre-faulting comes before the request so that the node's
+    in-flight slot and the daemon's chunk clock (its watchdog) cover only
+    the pinning, not this worker's disk reads; the driver then pins resident
+    pages instead of reading them from disk under its locks. (A refused
+    request has warmed the page cache for nothing but the staging copies,
+    which read the same pages.)
 
     Args:
         registrar: the runtime seam.
@@ -266,10 +317,15 @@ def register_regions(
             (:func:`mapping_keepalive`) until every chunk is unregistered.
         pin_memory: the pin policy; False selects staging without a call.
         limit_bytes: ceiling on page-aligned registered bytes; 0 = none.
-        chunk_bytes: largest range per call.
+        chunk_bytes: largest range per call (the daemon's chunk size lowers
+            it when smaller).
+        broker: the node daemon's admission for the lease's session; None
+            registers without asking (no daemon session behind the source).
+        label: what the daemon logs for this registration.
 
     Returns:
-        ``registered`` with the ranges, or ``staging`` with the reason.
+        ``registered`` with the ranges, or ``staging`` with the reason
+        (including a refusal by the daemon: never an error).
 
     Raises:
         RegistrationAborted: a call failed and rollback failed; the returned
@@ -283,34 +339,76 @@ def register_regions(
         return TransportChoice(STAGING, reason)
     flags = HOST_REGISTER_READ_ONLY if capability.read_only_supported else HOST_REGISTER_DEFAULT
     keep = mapping_keepalive(keepalive)
+    faults = _prefault_all(chunks, prefault_fn)
+    admitted: Admitted | None = None
+    if broker is not None:
+        grant = broker.request(total, label=label)
+        if not grant.admitted:
+            reason = f"host registration not admitted by the node daemon ({grant.reason}): {grant.detail}"
+            log.info("%s; using %s", reason, STAGING)
+            return TransportChoice(STAGING, reason, grant=grant)
+        admitted = Admitted(broker, grant)
+        # The daemon's chunk size bounds each call: its chunk clock (the
+        # watchdog) and its progress figures count one chunk per report.
+        step = grant.chunk_bytes // PAGE_SIZE * PAGE_SIZE if grant.chunk_bytes > 0 else chunk_bytes
+        if step <= 0:
+            reason = (f"the node daemon's registration_chunk_bytes ({grant.chunk_bytes}) is below one page "
+                      f"({PAGE_SIZE} bytes)")
+            admitted.release(reason)
+            log.warning("%s; using %s", reason, STAGING)
+            return TransportChoice(STAGING, reason, grant=grant)
+        if step < chunk_bytes:
+            chunks = plan_chunks(regions, step)
     done: list[Chunk] = []
     calls: list[RegistrationCall] = []
-    faults: list[tuple[Chunk, str, float]] = []
     for k, chunk in enumerate(chunks):
-        if prefault_fn is not None:
-            t0 = time.perf_counter()
-            how = prefault_fn(chunk.address, chunk.nbytes)
-            faults.append((chunk, how, time.perf_counter() - t0))
-            log.info("prefault %#x %d bytes (%s): %s in %.3f ms", chunk.address, chunk.nbytes, chunk.path, how,
-                     faults[-1][2] * 1e3)
         call = _timed(registrar, "register", chunk, flags)
         calls.append(call)
-        if call.code == 0:
-            done.append(chunk)
-            continue
-        return _roll_back(registrar, done, calls, keep, k, chunk, call.code)
-    ranges = RegisteredRanges(registrar, done, keep)
+        if call.code != 0:
+            return _roll_back(registrar, done, calls, keep, k, chunk, call.code, admitted)
+        done.append(chunk)
+        if admitted is not None and not admitted.broker.chunk_done(admitted.grant, chunk.nbytes, call.seconds):
+            # The daemon forgot the registration (it restarted, or our session
+            # ended) or could not be told: the pins are real either way, so
+            # carry on; only the node's accounting of them is lost.
+            log.warning("registration %s: the daemon did not record chunk %d; continuing", label or "(unlabelled)",
+                        k)
+    ranges = RegisteredRanges(registrar, done, keep, admitted)
     ranges.calls.extend(calls)
     ranges.prefaults.extend(faults)
-    return TransportChoice(REGISTERED, f"{len(done)} range(s), {total} bytes registered read-only", ranges, tuple(calls))
+    how = "admitted by the node daemon" if admitted is not None else "no daemon session: not admission-controlled"
+    return TransportChoice(REGISTERED, f"{len(done)} range(s), {total} bytes registered read-only ({how})", ranges,
+                           tuple(calls), admitted.grant if admitted is not None else None)
+
+
+def _prefault_all(chunks: Sequence[Chunk], prefault_fn: Prefault | None) -> list[tuple[Chunk, str, float]]:
+    """Pre-faults every chunk (None = cold: nothing); returns (chunk, how,
+    seconds) per chunk."""
+    faults: list[tuple[Chunk, str, float]] = []
+    if prefault_fn is None:
+        return faults
+    for chunk in chunks:
+        t0 = time.perf_counter()
+        how = prefault_fn(chunk.address, chunk.nbytes)
+        faults.append((chunk, how, time.perf_counter() - t0))
+        log.info("prefault %#x %d bytes (%s): %s in %.3f ms", chunk.address, chunk.nbytes, chunk.path, how,
+                 faults[-1][2] * 1e3)
+    return faults
 
 
 def _roll_back(registrar: Registrar, done: list[Chunk], calls: list[RegistrationCall], keepalive: Any,
-               k: int, failed: Chunk, code: int) -> TransportChoice:
-    """Unregisters ``done`` after range ``k`` failed; staging if clean."""
-    ranges = RegisteredRanges(registrar, done, keepalive)
+               k: int, failed: Chunk, code: int, admitted: Admitted | None) -> TransportChoice:
+    """Unregisters ``done`` after range ``k`` failed; staging if clean.
+
+    A clean rollback returns the admitted bytes to the node's budget. A
+    failed one keeps them admitted (the ranges carry the admission, released
+    when a later retry of ``unregister()`` succeeds): those bytes are still
+    pinned, and releasing them would let other workers pin past the budget.
+    """
+    ranges = RegisteredRanges(registrar, done, keepalive, admitted)
+    why = f"cudaHostRegister failed at range {k} ({failed.path}, error {code})"
     try:
-        ranges.unregister()
+        ranges.unregister(reason=f"{why}; rolled back")
     except UnregisterFailed as exc:
         calls.extend(ranges.calls)
         raise RegistrationAborted(
@@ -319,9 +417,9 @@ def _roll_back(registrar: Registrar, done: list[Chunk], calls: list[Registration
             ranges,
         ) from None
     calls.extend(ranges.calls)
-    reason = f"cudaHostRegister failed at range {k} ({failed.path}, error {code}); {len(done)} range(s) rolled back"
+    reason = f"{why}; {len(done)} range(s) rolled back"
     log.warning("%s; using %s", reason, STAGING)
-    return TransportChoice(STAGING, reason, None, tuple(calls))
+    return TransportChoice(STAGING, reason, None, tuple(calls), admitted.grant if admitted is not None else None)
 
 
 def choose_transport(
@@ -338,6 +436,8 @@ def choose_transport(
 
     Args:
         source: the lease (MappedArtifact API) or None for ordinary tensors.
+            A lease bound to a daemon session (``source.session``) registers
+            through that daemon's admission (:func:`broker_for`).
 
     Raises:
         RegistrationAborted: see :func:`register_regions`.
@@ -349,5 +449,7 @@ def choose_transport(
                     "staging and registration skipped")
         return TransportChoice(UNIFIED, "unified memory: staging and registration skipped")
     limit = int(registration_limit_gib * GIB)
+    key = getattr(source, "key", "")
     return register_regions(registrar, capability, source.regions(), keepalive=source, pin_memory=pin_memory,
-                            limit_bytes=limit, chunk_bytes=chunk_bytes, prefault_fn=prefault_fn)
+                            limit_bytes=limit, chunk_bytes=chunk_bytes, prefault_fn=prefault_fn,
+                            broker=broker_for(source), label=f"lease {key[:12]}" if key else "")

@@ -70,11 +70,15 @@ class Lease:
         mapped: the read-only mappings.
         release: called once with ``lease_id`` by :meth:`close` (None: no
             daemon lease behind it, e.g. a local artifact).
+        session: the daemon session the lease is bound to (None for a
+            local artifact); host registration asks the daemon through it
+            (:func:`hwr_client.registration.broker_for`).
     """
 
     def __init__(self, key: str, lease_id: str, mapped: MappedArtifact,
-                 release: Callable[[str], Any] | None = None):
+                 release: Callable[[str], Any] | None = None, *, session: Session | None = None):
         self.key = key
+        self.session = session
         self.lease_id = lease_id
         self._mapped = mapped
         self.manifest: Manifest = mapped.manifest
@@ -313,7 +317,7 @@ def acquire(client: LeaseClient, key: str, *, verify: str = "none") -> Lease:
     except BaseException:
         _release_quietly(session, reply.lease_id, key)
         raise
-    lease = Lease(key, reply.lease_id, mapped, release=session.release)
+    lease = Lease(key, reply.lease_id, mapped, release=session.release, session=session)
     session.track(reply.lease_id, lease)
     if verify != "none":
         _verify_or_close(client, lease, verify)

@@ -19,6 +19,10 @@ or :meth:`RegistrationBroker.register`, which does that loop and releases on
 a failed chunk. Nothing here raises for a refusal or an unreachable daemon:
 both answer "not admitted", and the worker stages. The admitted bytes are
 bound to the session, so the daemon frees them when this process dies.
+
+The DLO runtime gets its broker from the lease (:func:`broker_for`) and runs
+the loop itself, one chunk per mapped-file range
+(``dlo_runtime.transports.register_regions``).
 """
 
 from __future__ import annotations
@@ -77,6 +81,11 @@ def plan_chunks(nbytes: int, chunk_bytes: int) -> tuple[tuple[int, int], ...]:
     return tuple((o, min(chunk_bytes, nbytes - o)) for o in range(0, nbytes, chunk_bytes))
 
 
+#: How long a runtime registration waits for the node's in-flight slot by
+#: default (the daemon caps it at its ``registration_max_wait_s``). Seconds.
+DEFAULT_WAIT_S = 120.0
+
+
 class RegistrationBroker:
     """Asks the node daemon before registering; one per worker process.
 
@@ -87,7 +96,7 @@ class RegistrationBroker:
             daemon caps it at its ``registration_max_wait_s``).
     """
 
-    def __init__(self, session: Session, *, wait_s: float = 120.0):
+    def __init__(self, session: Session, *, wait_s: float = DEFAULT_WAIT_S):
         self.session = session
         self.wait_s = wait_s
 
@@ -95,6 +104,12 @@ class RegistrationBroker:
         """Asks to register ``nbytes``; never raises for a refusal or an
         unreachable daemon (both answer ``admitted=False``)."""
         wait = self.wait_s if wait_s is None else wait_s
+        if not self.session.usable:
+            # Closed, or inherited through fork (its stream is the parent's):
+            # never call on it; this process has no session to bind bytes to.
+            detail = f"session on {self.session.socket} is closed or belongs to another process"
+            log.info("registration of %s (%d bytes): %s; staging", label, nbytes, detail)
+            return RegistrationGrant(False, "", nbytes, (), UNREACHABLE, detail)
         try:
             sid = self.session.session_id()
             reply = call_unary(self.session.runtime.AdmitRegistration,
@@ -169,3 +184,17 @@ class RegistrationBroker:
             done.append((offset, length))
             self.chunk_done(grant, length, time.monotonic() - t0)
         return grant
+
+
+def broker_for(source: object, *, wait_s: float = DEFAULT_WAIT_S) -> RegistrationBroker | None:
+    """The broker for the daemon session ``source`` (a lease) is bound to.
+
+    None when ``source`` has no daemon session (a local artifact, a test
+    lease, ordinary tensors): nothing on the node accounts for those
+    mappings, so their registration proceeds without admission. A session
+    that is closed or inherited through fork still gets a broker: its
+    request fails to reach the daemon and answers "not admitted" (staging),
+    rather than pinning bytes the node's budget never saw.
+    """
+    session = getattr(source, "session", None)
+    return RegistrationBroker(session, wait_s=wait_s) if isinstance(session, Session) else None

@@ -178,7 +178,7 @@ def test_registered_and_staging_move_identical_payload(tmp_path):
 
 # --- issue 17: prefault, keep-alive, libcudart choice, the shared decline rule ----------------------
 
-def test_prefault_runs_before_each_register_call(tmp_path):
+def test_prefault_runs_before_any_register_call(tmp_path):
     ref, lease, skel = _warm(tmp_path)
     order = []
     reg = FakeRegistrar()
@@ -193,7 +193,9 @@ def test_prefault_runs_before_each_register_call(tmp_path):
                               prefault_fn=lambda a, n: order.append(("prefault", a, n)) or "fake")
     assert choice.kind == REGISTERED
     chunks = plan_chunks(lease.regions(), CHUNK)
-    expected = [e for c in chunks for e in (("prefault", c.address, c.nbytes), ("register", c.address, c.nbytes))]
+    # Every chunk is faulted in before the first pin (and, with a daemon,
+    # before the admission request: tests/test_registration_wiring.py).
+    expected = [("prefault", c.address, c.nbytes) for c in chunks] + [("register", c.address, c.nbytes) for c in chunks]
     assert order == expected
     assert [how for _, how, _ in choice.ranges.prefaults] == ["fake"] * len(chunks)
     choice.ranges.unregister()
