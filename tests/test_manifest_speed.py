@@ -221,11 +221,13 @@ CASES = (
     + [(f"dtype {v!r}", _set(("tensors", 1, "dtype"), v)) for v in ["F33", "f32", 5, ["F32"], None, True]]
     + [(f"shape {v!r}", _set(("tensors", 0, "shape"), v))
        for v in [[3.0, 5], [3, 5.0], [True, 5], [-3, -5], [15], [5, 3], [3, 5, 1], [[3], 5], "", {}, None, 15, "35"]]
-    + [(f"offset {v!r}", lambda d, v=v: d["tensors"][0].update(offset=v(d["tensors"][0]["offset"])))
-       for v in [float, lambda o: o + 1, lambda o: o + 2, lambda o: -o, lambda o: 0, lambda o: 10**12, str,
-                 lambda o: None, lambda o: True]]
-    + [(f"nbytes {v!r}", lambda d, v=v: d["tensors"][0].update(nbytes=v(d["tensors"][0]["nbytes"])))
-       for v in [float, lambda n: n + 1, lambda n: 0, str, lambda n: None, lambda n: True]]
+    # Ids by position, not repr: a lambda's repr holds its address, and
+    # pytest-xdist needs every worker to collect the same ids.
+    + [(f"offset {i}", lambda d, v=v: d["tensors"][0].update(offset=v(d["tensors"][0]["offset"])))
+       for i, v in enumerate([float, lambda o: o + 1, lambda o: o + 2, lambda o: -o, lambda o: 0, lambda o: 10**12,
+                              str, lambda o: None, lambda o: True])]
+    + [(f"nbytes {i}", lambda d, v=v: d["tensors"][0].update(nbytes=v(d["tensors"][0]["nbytes"])))
+       for i, v in enumerate([float, lambda n: n + 1, lambda n: 0, str, lambda n: None, lambda n: True])]
     + [(f"sha256 {i}", lambda d, v=v: d["tensors"][2].update(sha256=v(d["tensors"][2]["sha256"])))
        for i, v in enumerate([str.upper, lambda s: s + "\n", lambda s: s[:-1], lambda s: s + "0",
                               lambda s: "g" + s[1:], lambda s: "é" + s[1:], lambda s: 5, lambda s: None,
