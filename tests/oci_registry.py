@@ -10,9 +10,11 @@ fails: ``.ci/setup`` installs it.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import http.client
 import http.server
+import json
 import os
 import shutil
 import socket
@@ -144,6 +146,9 @@ class Proxy:
         self.gate: threading.Event | None = None
         self.gate_after = 0
         self.holding = threading.Event()  # a download reached the gate
+        #: (user, password, token): answer the registry token flow in front
+        #: of the registry (Bearer challenges, a token endpoint at /token).
+        self.bearer: tuple[str, str, str] | None = None
         self._lock = threading.Lock()
         proxy = self
 
@@ -153,7 +158,42 @@ class Proxy:
             def log_message(self, *args: object) -> None:
                 pass
 
+            def _refuse(self, status: int, challenge: str = "") -> None:
+                self.send_response(status)
+                if challenge:
+                    self.send_header("WWW-Authenticate", challenge)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def _token_gate(self) -> bool:
+                """Bearer mode: the registry token flow in front of the
+                registry. True when the request may go on upstream."""
+                user, password, token = proxy.bearer  # type: ignore[misc]
+                basic = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+                if self.path.startswith("/token"):
+                    proxy._log(Seen("TOKEN", self.path, "", 0, 0))
+                    if self.headers.get("Authorization") != basic:
+                        self._refuse(401)
+                        return False
+                    body = json.dumps({"token": token}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return False
+                if self.headers.get("Authorization") != f"Bearer {token}":
+                    length = int(self.headers.get("Content-Length") or 0)
+                    if length:
+                        self.rfile.read(length)
+                    self._refuse(401, f'Bearer realm="http://{proxy.host}/token",service="hwr-test",'
+                                      f'scope="repository:hwr/x:pull"')
+                    return False
+                return True
+
             def _forward(self) -> None:
+                if proxy.bearer is not None and not self._token_gate():
+                    return
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 # The Host header passes through: the registry builds upload
