@@ -239,6 +239,24 @@ class Remote:
         return Transfer(key, f"{ref.host}/{repo}@{digest_of(oci)}", digest_of(oci), sent[0], sent[1],
                         len(layers) - sent[1], seconds)
 
+    def push_after_publish(self, key: str) -> None:
+        """``[remote] push_after_publish``: pushes a just-committed artifact
+        to the configured remote on a background thread; a failure is
+        logged (the publication already succeeded, and the next node that
+        misses loads canonically, as without a remote)."""
+        rem = self.config.remote
+        if not (rem.push_after_publish and rem.registry and rem.repository):
+            return
+
+        def run() -> None:
+            try:
+                self.push(key, f"{rem.registry}/{rem.repository}")
+            except Exception as exc:  # noqa: BLE001 - background work: logged, never raised
+                log.warning("push after publish of %s to %s/%s failed: %s: %s", key[:12], rem.registry,
+                            rem.repository, type(exc).__name__, exc)
+
+        threading.Thread(target=run, name="hwr-push-after-publish", daemon=True).start()
+
     # -- pull ----------------------------------------------------------------------
 
     def pull(self, reference: str, progress: ProgressFn = lambda p: None) -> Transfer:

@@ -280,7 +280,7 @@ class Proxy:
 
 
 def remote_config(path: str, *, registry: str = "", repository: str = "", pull_on_miss: bool = False,
-                  credentials_file: str = "", layer_attempts: int = 3) -> str:
+                  credentials_file: str = "", layer_attempts: int = 3, push_after_publish: bool = False) -> str:
     """Writes a daemon config with a [remote] table (plain HTTP: loopback)."""
     with open(path, "w") as f:
         f.write("[remote]\ninsecure = true\n")
@@ -289,6 +289,8 @@ def remote_config(path: str, *, registry: str = "", repository: str = "", pull_o
             f.write(f'registry = "{registry}"\nrepository = "{repository}"\n')
         if pull_on_miss:
             f.write("pull_on_miss = true\n")
+        if push_after_publish:
+            f.write("push_after_publish = true\n")
         if credentials_file:
             f.write(f'credentials_file = "{credentials_file}"\n')
     return path

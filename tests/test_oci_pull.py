@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from hwr_client.core.identity import Identity
 from hwr_server.oci_format import ARTIFACT_TYPE, MANIFEST_MEDIA_TYPE, digest_of
 from hwr_server.registry_client import RegistryClient
 from tests.conftest import identity, sample_tensors
-from tests.oci_registry import Proxy, make_registry, remote_config
+from tests.oci_registry import Proxy, free_port, make_registry, remote_config
 
 BASE = sample_tensors(blocks=3, seed=11)
 #: Shares BASE's non-block file (embedding, final norm); its block files are new.
@@ -41,9 +42,10 @@ def nodes(make_daemon_fixture, tmp_path, registry):
     """A factory of daemons configured for the proxy's registry."""
     reg, proxy = registry
 
-    def make(repo: str = "", pull_on_miss: bool = False, layer_attempts: int = 3):
+    def make(repo: str = "", pull_on_miss: bool = False, layer_attempts: int = 3, push_after_publish: bool = False):
         cfg = remote_config(str(tmp_path / f"cfg-{len(os.listdir(tmp_path))}.toml"), registry=proxy.host,
-                            repository=repo, pull_on_miss=pull_on_miss, layer_attempts=layer_attempts)
+                            repository=repo, pull_on_miss=pull_on_miss, layer_attempts=layer_attempts,
+                            push_after_publish=push_after_publish)
         return make_daemon_fixture("--config", cfg, root=str(tmp_path / f"root-{len(os.listdir(tmp_path))}"))
 
     return make
@@ -231,12 +233,20 @@ def test_refusals_name_the_problem(nodes, registry):
     nothing_left(b)
 
 
-def test_single_flight_and_pull_on_miss(nodes, registry):
+def test_push_after_publish_single_flight_and_pull_on_miss(nodes, registry):
     reg, proxy = registry
-    a = nodes()
-    key = publish(a, "miss")
     repo = "hwr/miss"
-    push(a, key, f"{proxy.host}/{repo}")
+    a = nodes(repo, push_after_publish=True)
+    key = publish(a, "miss")
+    client = RegistryClient(reg.host, insecure=True)
+    deadline = time.monotonic() + 60
+    while True:  # the publisher pushes in the background after its commit
+        try:
+            client.get_manifest(repo, key, limit=1 << 20)
+            break
+        except NotFound:
+            assert time.monotonic() < deadline, a.log()[-2000:]
+            time.sleep(0.05)
     c_node = nodes(repo, pull_on_miss=True)
     proxy.take()
     with c_node.client() as c:
@@ -268,3 +278,16 @@ def test_single_flight_and_pull_on_miss(nodes, registry):
         res = c.resolve(identity(t="nowhere"), mode="preferred")
         assert res.outcome == "CANONICAL_FALLBACK" and "registry" in res.reason
         assert c.resolve(identity(t="nowhere"), mode="required").outcome == "FAILED"
+
+
+def test_unreachable_registry_is_a_logged_miss_or_a_clear_failure(make_daemon_fixture, tmp_path):
+    cfg = remote_config(str(tmp_path / "dead.toml"), registry=f"127.0.0.1:{free_port()}", repository="hwr/x",
+                        pull_on_miss=True, layer_attempts=1)
+    node = make_daemon_fixture("--config", cfg)
+    with node.client() as c:
+        res = c.resolve(identity(t="unreachable"), mode="preferred")
+        assert res.outcome == "CANONICAL_FALLBACK" and "unreachable" in res.reason
+        res = c.resolve(identity(t="unreachable"), mode="required")
+        assert res.outcome == "FAILED" and isinstance(res.error, Unavailable) and "unreachable" in str(res.error)
+        with pytest.raises(NotFound):  # the daemon keeps serving
+            c.lookup(Identity.from_dict(identity(t="unreachable")).key)
