@@ -51,6 +51,7 @@ from hwr_client.core.identity import check_key
 from hwr_client.core.manifest import Manifest
 from hwr_server import commit as durable
 from hwr_server.config import ServerConfig
+from hwr_server.interfaces import RemoteStore
 from hwr_server.oci_format import (MANIFEST_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES, build_oci_manifest, check_config,
                                    digest_of, parse_oci_manifest)
 from hwr_server.recovery import Untrusted, open_stored
@@ -130,7 +131,7 @@ class Remote:
         store: the store artifacts are read from and committed into.
     """
 
-    def __init__(self, config: ServerConfig, store: Any):
+    def __init__(self, config: ServerConfig, store: RemoteStore):
         self.config = config
         self.store = store
         self._lock = threading.Lock()
