@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hwr_client.core._proto import hwr_pb2 as pb
-from hwr_client.core.errors import DataLoss, FailedPrecondition, NotFound, Unavailable
+from hwr_client.core.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from hwr_client.core.identity import Identity
 from hwr_server.oci_format import ARTIFACT_TYPE, MANIFEST_MEDIA_TYPE, digest_of
 from hwr_server.registry_client import RegistryClient
@@ -42,11 +42,12 @@ def nodes(make_daemon_fixture, tmp_path, registry):
     """A factory of daemons configured for the proxy's registry."""
     reg, proxy = registry
 
-    def make(repo: str = "", pull_on_miss: bool = False, layer_attempts: int = 3, push_after_publish: bool = False):
+    def make(repo: str = "", pull_on_miss: bool = False, layer_attempts: int = 3, push_after_publish: bool = False,
+             extra: tuple[str, ...] = ()):
         cfg = remote_config(str(tmp_path / f"cfg-{len(os.listdir(tmp_path))}.toml"), registry=proxy.host,
                             repository=repo, pull_on_miss=pull_on_miss, layer_attempts=layer_attempts,
                             push_after_publish=push_after_publish)
-        return make_daemon_fixture("--config", cfg, root=str(tmp_path / f"root-{len(os.listdir(tmp_path))}"))
+        return make_daemon_fixture("--config", cfg, *extra, root=str(tmp_path / f"root-{len(os.listdir(tmp_path))}"))
 
     return make
 
@@ -231,6 +232,11 @@ def test_refusals_name_the_problem(nodes, registry):
     with pytest.raises(FailedPrecondition, match=ARTIFACT_TYPE):
         pull(b, f"{repo}:foreign")
     nothing_left(b)
+    # No room: RESOURCE_EXHAUSTED before a byte is fetched.
+    small = nodes(extra=("--capacity", "4KiB"))
+    with pytest.raises(ResourceExhausted, match="capacity"):
+        pull(small, f"{repo}:{key}")
+    nothing_left(small)
 
 
 def test_push_after_publish_single_flight_and_pull_on_miss(nodes, registry):
