@@ -280,7 +280,8 @@ class Proxy:
 
 
 def remote_config(path: str, *, registry: str = "", repository: str = "", pull_on_miss: bool = False,
-                  credentials_file: str = "", layer_attempts: int = 3, push_after_publish: bool = False) -> str:
+                  credentials_file: str = "", layer_attempts: int = 3, push_after_publish: bool = False,
+                  upload_chunk_bytes: int = 0) -> str:
     """Writes a daemon config with a [remote] table (plain HTTP: loopback)."""
     with open(path, "w") as f:
         f.write("[remote]\ninsecure = true\n")
@@ -289,6 +290,8 @@ def remote_config(path: str, *, registry: str = "", repository: str = "", pull_o
             f.write(f'registry = "{registry}"\nrepository = "{repository}"\n')
         if pull_on_miss:
             f.write("pull_on_miss = true\n")
+        if upload_chunk_bytes:
+            f.write(f"upload_chunk_bytes = {upload_chunk_bytes}\n")
         if push_after_publish:
             f.write("push_after_publish = true\n")
         if credentials_file:

@@ -135,6 +135,22 @@ def _config_digest(node, key: str) -> str:
     return digest_of(text.encode("utf-8"))
 
 
+def test_chunked_upload(make_daemon_fixture, tmp_path, registry, nodes):
+    reg, proxy = registry
+    cfg = remote_config(str(tmp_path / "chunked.toml"), upload_chunk_bytes=1000)
+    a = make_daemon_fixture("--config", cfg, root=str(tmp_path / "chunked"))
+    key = publish(a, "chunked", sample_tensors(blocks=2, seed=5))
+    repo = f"{proxy.host}/hwr/chunked"
+    proxy.take()
+    push(a, key, repo)
+    patches = [s for s in proxy.take() if s.method == "PATCH"]
+    with a.client() as c:
+        sizes = [f.size for f in c.lookup(key).files]
+    assert len(patches) == sum(-(-n // 1000) for n in sizes if n > 1000), patches
+    b = nodes()
+    assert pull(b, f"{repo}:{key}").key == key and b.cli("verify", key).returncode == 0
+
+
 def test_tampered_layer_is_data_loss_and_nothing_is_published(nodes, registry):
     reg, proxy = registry
     a, b = nodes(), nodes()
