@@ -28,7 +28,7 @@ BINARY = "docker-registry"
 
 
 def registry_binary() -> str:
-    path = shutil.which(BINARY) or ("/usr/bin/" + BINARY if os.path.exists("/usr/bin/" + BINARY) else "")
+    path = shutil.which(BINARY) or ""
     if not path:
         msg = (f"{BINARY} (Debian package docker-registry, CNCF distribution) is not installed; "
                "`apt-get install docker-registry` (.ci/setup does)")
