@@ -134,9 +134,11 @@ class Proxy:
     """A loopback HTTP proxy in front of ``upstream`` that logs every request.
 
     ``cut``: (digest, n): the next GET of that blob is cut (connection
-    closed) after n body bytes. ``gate``: when set to an Event, blob GETs stop after
-    ``gate_after`` bytes until it is set (a pull held mid-layer). Upstream
-    refused: 502.
+    closed) after n body bytes. ``gate``: when set to an Event, GETs of the
+    blob ``gate_digest`` stop after ``gate_after`` bytes until it is set (a
+    pull held mid-layer), then break off. ``redirect_blobs``: blob GETs are
+    answered 307 to the registry itself (another host:port, as a registry
+    sends clients to object storage). Upstream refused: 502.
     """
 
     def __init__(self, upstream: str):
@@ -145,6 +147,8 @@ class Proxy:
         self.cut: tuple[str, int] | None = None
         self.gate: threading.Event | None = None
         self.gate_after = 0
+        self.gate_digest = ""
+        self.redirect_blobs = False
         self.holding = threading.Event()  # a download reached the gate
         #: (user, password, token): answer the registry token flow in front
         #: of the registry (Bearer challenges, a token endpoint at /token).
@@ -194,6 +198,13 @@ class Proxy:
             def _forward(self) -> None:
                 if proxy.bearer is not None and not self._token_gate():
                     return
+                if proxy.redirect_blobs and self.command == "GET" and "/blobs/sha256:" in self.path:
+                    self.send_response(307)
+                    self.send_header("Location", f"http://{proxy.upstream}{self.path}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    proxy._log(Seen(self.command, self.path, self.headers.get("Range", ""), 307, 0))
+                    return
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 # The Host header passes through: the registry builds upload
@@ -238,7 +249,8 @@ class Proxy:
                             self.close_connection = True
                             break
                         gate = proxy.gate
-                        if is_blob_get and gate is not None and sent + len(chunk) > proxy.gate_after:
+                        if (is_blob_get and gate is not None and self.path.endswith(proxy.gate_digest)
+                                and sent + len(chunk) > proxy.gate_after):
                             self.wfile.write(chunk[:max(0, proxy.gate_after - sent)])
                             self.wfile.flush()
                             sent = max(sent, proxy.gate_after)

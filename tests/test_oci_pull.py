@@ -173,7 +173,12 @@ def test_tampered_layer_is_data_loss_and_nothing_is_published(nodes, registry):
             c.lookup(key)
 
 
-def test_interrupted_layer_resumes_with_a_range_request(nodes, registry):
+def done_files(node, key: str):
+    with node.client() as c:
+        return c.lookup(key).files
+
+
+def test_interrupted_layer_resumes_with_a_range_request_and_redirects_are_followed(nodes, registry):
     reg, proxy = registry
     a, b = nodes(), nodes()
     key = publish(a, "resume")
@@ -188,6 +193,15 @@ def test_interrupted_layer_resumes_with_a_range_request(nodes, registry):
     assert any(s.range == "bytes=100-" and s.status == 206 for s in seen), seen
     assert done.key == key
     assert b.cli("verify", key).returncode == 0
+    # A registry that redirects blob GETs (to object storage, here to itself).
+    proxy.redirect_blobs = True
+    try:
+        c_node = nodes()
+        assert pull(c_node, f"{repo}:{key}").key == key
+    finally:
+        proxy.redirect_blobs = False
+    assert sum(1 for s in proxy.take() if s.status == 307) == len(done_files(a, key)) + 1  # layers and config
+    assert c_node.cli("verify", key).returncode == 0
 
 
 def test_registry_killed_mid_pull_then_retry_completes(nodes, registry):
@@ -197,6 +211,8 @@ def test_registry_killed_mid_pull_then_retry_completes(nodes, registry):
     key = publish(a, "killed")
     repo = f"{proxy.host}/hwr/killed"
     push(a, key, repo)
+    with a.client() as c:
+        proxy.gate_digest = "sha256:" + c.lookup(key).files[-1].blob
     proxy.gate, proxy.gate_after = threading.Event(), 64
     proxy.holding.clear()
     errors: list[BaseException] = []
