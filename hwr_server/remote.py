@@ -115,11 +115,12 @@ class _Counter:
         self._progress = progress
 
     def add(self, nbytes: int = 0, layers: int = 0) -> None:
+        # Reported under the lock: events leave in the order of their counts
+        # (the callback only queues or drops an event).
         with self._lock:
             self.bytes += nbytes
             self.layers += layers
-            snap = Progress(self.bytes, self.total, self.layers, self.n_layers)
-        self._progress(snap)
+            self._progress(Progress(self.bytes, self.total, self.layers, self.n_layers))
 
 
 class Remote:

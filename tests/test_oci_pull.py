@@ -106,8 +106,12 @@ def test_push_pull_verify_lease_and_shared_blobs(nodes, registry):
     assert pulled["key"] == key1 and pulled["manifest_digest"] == pushed["manifest_digest"]
     assert sorted(blob_gets(proxy.take())) == sorted({"sha256:" + f.blob for f in files1} | {_config_digest(a, key1)})
     assert b.cli("verify", key1).returncode == 0
-    # Pull of the second: only its new blobs come over the wire.
-    done = pull(b, f"{repo}:{key2}")
+    # Pull of the second: only its new blobs come over the wire, with progress.
+    events: list[pb.TransferProgress] = []
+    with b.client() as c:
+        done = c.transfer(c.admin.Pull, pb.PullRequest(reference=f"{repo}:{key2}"), progress=events.append)
+    assert events and events[-1].bytes_done == events[-1].bytes_total == done.bytes_transferred
+    assert [e.bytes_done for e in events] == sorted(e.bytes_done for e in events)
     got = blob_gets(proxy.take())
     assert sorted(g for g in got if g != _config_digest(a, key2)) == sorted("sha256:" + h for h in new2)
     assert done.layers_transferred == len(new2) and done.bytes_transferred == sum(
