@@ -61,6 +61,10 @@ class RemoteConfig:
     layer_attempts: int = 3
     #: Seconds a registry connect or read may take.
     timeout_s: float = 30.0
+    #: What a pull checks before its commit: "file" (every file's SHA-256
+    #: and size, while it downloads) or "full" (also re-hashes every tensor
+    #: and block against the pulled manifest, as `hwr verify` does).
+    verify_pull: str = "file"
 
     @classmethod
     def from_mapping(cls, doc: Any, *, what: str) -> "RemoteConfig":
@@ -262,6 +266,8 @@ class ServerConfig:
         rem = self.remote
         if (rem.pull_on_miss or rem.push_after_publish) and not (rem.registry and rem.repository):
             raise InvalidArgument("config: [remote] pull_on_miss / push_after_publish need registry and repository")
+        if rem.verify_pull not in ("file", "full"):
+            raise InvalidArgument(f"config: [remote] verify_pull {rem.verify_pull!r}: expected 'file' or 'full'")
         if rem.parallel_layers < 1 or rem.layer_attempts < 1:
             raise InvalidArgument("config: [remote] parallel_layers and layer_attempts must be at least 1")
         return self

@@ -27,8 +27,10 @@ download). A publication of the key in flight makes a pull ABORTED (retry).
 
 What a pull checks is what the bytes can prove: every file's SHA-256 (its
 blob name) and size, and that the manifest is a valid HWR manifest of the
-tag's key. The tensor and block digests inside the manifest are checked by
-``hwr verify`` / a lease's ``verify="full"``, as for any stored artifact.
+tag's key. With ``[remote] verify_pull = "full"`` it also re-hashes every
+tensor and block against the manifest before the commit; by default those
+are checked by ``hwr verify`` / a lease's ``verify="full"``, as for any
+stored artifact.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from hwr_server.config import ServerConfig
 from hwr_server.interfaces import RemoteStore
 from hwr_server.oci_format import (MANIFEST_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES, build_oci_manifest, check_config,
                                    digest_of, parse_oci_manifest)
-from hwr_server.recovery import Untrusted, open_stored
+from hwr_server.recovery import Untrusted, open_stored, verify_artifact
 from hwr_server.registry_client import IO_BYTES, Reference, RegistryClient, client_for, parse_reference
 from hwr_server.staging_io import os_error
 
@@ -401,6 +403,14 @@ class Remote:
             for f, path in zip(manifest.files, paths):  # duplicates of a downloaded file share its bytes
                 if not os.path.lexists(path):
                     os.link(fetch[f.blob][1], path)
+            if rem.verify_pull == "full":
+                # Every tensor and block against the pulled manifest, before
+                # anything moves into blobs/ (the files are in the page cache).
+                problems, _, _ = verify_artifact(manifest, paths,
+                                                 threads=self.config.hash_threads or os.cpu_count() or 2)
+                if problems:
+                    raise DataLoss(f"{reference}: the pulled artifact fails verification ({'; '.join(problems[:3])}); "
+                                   "nothing was published")
             staged = durable.Staged(key, artifact, paths, _synced)
             text = durable.publish(store, staged, manifest, moved)
         except OSError as exc:

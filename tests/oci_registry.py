@@ -293,7 +293,7 @@ class Proxy:
 
 def remote_config(path: str, *, registry: str = "", repository: str = "", pull_on_miss: bool = False,
                   credentials_file: str = "", layer_attempts: int = 3, push_after_publish: bool = False,
-                  upload_chunk_bytes: int = 0) -> str:
+                  upload_chunk_bytes: int = 0, verify_pull: str = "file") -> str:
     """Writes a daemon config with a [remote] table (plain HTTP: loopback)."""
     with open(path, "w") as f:
         f.write("[remote]\ninsecure = true\n")
@@ -302,6 +302,7 @@ def remote_config(path: str, *, registry: str = "", repository: str = "", pull_o
             f.write(f'registry = "{registry}"\nrepository = "{repository}"\n')
         if pull_on_miss:
             f.write("pull_on_miss = true\n")
+        f.write(f'verify_pull = "{verify_pull}"\n')
         if upload_chunk_bytes:
             f.write(f"upload_chunk_bytes = {upload_chunk_bytes}\n")
         if push_after_publish:

@@ -18,7 +18,8 @@ import torch
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from hwr_client.core.identity import Identity
-from hwr_server.oci_format import ARTIFACT_TYPE, MANIFEST_MEDIA_TYPE, digest_of
+from hwr_client.core.manifest import Manifest, content_digest
+from hwr_server.oci_format import ARTIFACT_TYPE, MANIFEST_MEDIA_TYPE, build_oci_manifest, digest_of
 from hwr_server.registry_client import RegistryClient
 from tests.conftest import identity, sample_tensors
 from tests.oci_registry import Proxy, free_port, make_registry, remote_config
@@ -241,6 +242,34 @@ def test_registry_killed_mid_pull_then_retry_completes(nodes, registry):
     reg.start()  # same storage, same port
     done = pull(b, f"{repo}:{key}")
     assert done.key == key and b.cli("verify", key).returncode == 0
+
+
+def test_a_manifest_that_lies_about_a_tensor(make_daemon_fixture, tmp_path, registry, nodes):
+    """Files that hash right under a manifest whose tensor digest is wrong:
+    verify_pull="full" refuses it (DATA_LOSS); the default ("file") commits
+    it and `hwr verify` finds it, as for any stored artifact."""
+    reg, proxy = registry
+    a = nodes()
+    key = publish(a, "lying", sample_tensors(blocks=2, seed=31))
+    repo = "hwr/lying"
+    push(a, key, f"{proxy.host}/{repo}")
+    with a.client() as c:
+        doc = json.loads(c.call(c.runtime.Lookup, pb.LookupRequest(key=key)).manifest_json)
+    doc["tensors"][-1]["sha256"] = "0" * 64
+    doc["content_digest"] = content_digest((t["name"], t["dtype"], t["shape"], t["sha256"]) for t in doc["tensors"])
+    lying = Manifest.from_json(json.dumps(doc))
+    config = lying.to_json().encode()
+    client = RegistryClient(reg.host, insecure=True)
+    client.put_bytes_blob(repo, digest_of(config), config)
+    client.put_manifest(repo, key, build_oci_manifest(lying, config), MANIFEST_MEDIA_TYPE)
+    cfg = remote_config(str(tmp_path / "full.toml"), verify_pull="full")
+    full = make_daemon_fixture("--config", cfg, root=str(tmp_path / "full"))
+    with pytest.raises(DataLoss, match="fails verification"):
+        pull(full, f"{proxy.host}/{repo}:{key}")
+    nothing_left(full)
+    trusting = nodes()
+    pull(trusting, f"{proxy.host}/{repo}:{key}")
+    assert trusting.cli("verify", key).returncode == 1
 
 
 def test_refusals_name_the_problem(nodes, registry):
