@@ -210,8 +210,17 @@ def _pull_on_miss(client: Any, key: str, mode: Mode, miss: NotFound) -> Resoluti
         refused, corrupt: a miss logged as such in preferred mode, FAILED in
         required mode, where the pull was the only way to a hit).
     """
+    last = [time.monotonic()]
+
+    def progress(p: Any) -> None:
+        # The worker waits while the layers flow; a line every few seconds says how far.
+        if time.monotonic() - last[0] >= 5.0:
+            last[0] = time.monotonic()
+            log.info("HWR resolve %s: pulling from the registry, %.0f of %.0f MiB (%d of %d layers)", key[:12],
+                     p.bytes_done / 2**20, p.bytes_total / 2**20, p.layers_done, p.layers_total)
+
     try:
-        done = client.pull_on_miss(key)
+        done = client.pull_on_miss(key, progress=progress)
     except NotFound as exc:
         return _miss(mode, key, f"artifact {key[:12]} not in the store ({exc})", miss)
     except HwrError as exc:
