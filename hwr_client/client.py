@@ -30,6 +30,7 @@ from hwr_client.channel import RuntimeChannel, default_socket, open_channel
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
 from hwr_client.core.digests import SourceDigest
+from hwr_client.core.errors import Internal, from_rpc_error
 from hwr_client.core.identity import Identity
 from hwr_client.core.manifest import Manifest
 from hwr_client.core.plan import FILE_TARGET_BYTES
@@ -191,6 +192,32 @@ class Client(RuntimeChannel):
         """Publishes after a canonical load without ever raising; see
         :func:`hwr_client.resolve.publish_after_load`."""
         return _publish_after_load(self, identity, tensors, blocks=blocks, progress=progress)
+
+    def transfer(self, method: Callable[..., Any], request: Any, *,
+                 progress: Callable[[pb.TransferProgress], None] | None = None) -> pb.TransferDone:
+        """Runs a transfer rpc (Push, Pull, PullOnMiss) to its end, handing
+        each progress event to ``progress``; no deadline (the daemon streams
+        progress while bytes flow).
+
+        Raises:
+            HwrError: the daemon's error class (NotFound, DataLoss, Unavailable, ...).
+        """
+        try:
+            for ev in method(request, timeout=None):
+                if ev.WhichOneof("kind") == "done":
+                    return ev.done
+                if progress is not None:
+                    progress(ev.progress)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        raise Internal("transfer: the daemon ended the stream without a result")
+
+    def pull_on_miss(self, key: str, *,
+                     progress: Callable[[pb.TransferProgress], None] | None = None) -> pb.TransferDone:
+        """Asks the daemon to pull ``key`` from its configured remote (the
+        PullOnMiss rpc); see :meth:`transfer` for errors (NotFound: no remote,
+        or the registry lacks it)."""
+        return self.transfer(self.runtime.PullOnMiss, pb.PullOnMissRequest(key=key), progress=progress)
 
     def resolve_sources(self, paths: Sequence[str | os.PathLike[str]], *,
                         threads: int | None = None) -> list[SourceDigest]:

@@ -168,8 +168,20 @@ def resolve(client: Any, identity: Identity | Mapping | str, *, mode: Mode | str
         return _failed(mode, "", f"invalid identity: {exc}", exc)
     from hwr_client.lease import acquire
 
+    pulled = ""
     try:
-        lease = acquire(client, key, verify=verify)
+        try:
+            lease = acquire(client, key, verify=verify)
+        except NotFound as exc:
+            # Pull on a miss: the daemon asks its [remote] registry (when one
+            # is configured with pull_on_miss) before the worker loads
+            # canonically; an exact identity pulled is a LOCAL_HIT, also in
+            # required mode (it is not a canonical load).
+            outcome = _pull_on_miss(client, key, mode, exc)
+            if isinstance(outcome, Resolution):
+                return outcome
+            pulled = outcome
+            lease = acquire(client, key, verify=verify)
     except NotFound as exc:
         return _miss(mode, key, f"artifact {key[:12]} not in the store", exc)
     except FailedPrecondition as exc:
@@ -183,8 +195,43 @@ def resolve(client: Any, identity: Identity | Mapping | str, *, mode: Mode | str
     except HwrError as exc:
         # InvalidArgument, PermissionDenied, Internal...: not a miss.
         return _failed(mode, key, f"{type(exc).__name__}: {exc}", exc)
-    log.info("HWR resolve %s: LOCAL_HIT (lease %s…)", key[:12], lease.lease_id[:8])
-    return Resolution(Outcome.LOCAL_HIT, mode, lease=lease, key=key, reason="exact artifact in the store")
+    log.info("HWR resolve %s: LOCAL_HIT (lease %s…)%s", key[:12], lease.lease_id[:8], pulled and f" {pulled}")
+    return Resolution(Outcome.LOCAL_HIT, mode, lease=lease, key=key,
+                      reason=f"exact artifact in the store ({pulled})" if pulled else "exact artifact in the store")
+
+
+def _pull_on_miss(client: Any, key: str, mode: Mode, miss: NotFound) -> Resolution | str:
+    """Asks the daemon to pull ``key`` from its remote (PullOnMiss).
+
+    Returns:
+        A one-line note when it was pulled (the caller acquires again), or
+        the Resolution of the miss: the registry lacks it (or no remote is
+        configured: an ordinary miss), or the registry failed (unreachable,
+        refused, corrupt: a miss logged as such in preferred mode, FAILED in
+        required mode, where the pull was the only way to a hit).
+    """
+    last = [time.monotonic()]
+
+    def progress(p: Any) -> None:
+        # The worker waits while the layers flow; a line every few seconds says how far.
+        if time.monotonic() - last[0] >= 5.0:
+            last[0] = time.monotonic()
+            log.info("HWR resolve %s: pulling from the registry, %.0f of %.0f MiB (%d of %d layers)", key[:12],
+                     p.bytes_done / 2**20, p.bytes_total / 2**20, p.layers_done, p.layers_total)
+
+    try:
+        done = client.pull_on_miss(key, progress=progress)
+    except NotFound as exc:
+        return _miss(mode, key, f"artifact {key[:12]} not in the store ({exc})", miss)
+    except HwrError as exc:
+        reason = f"artifact {key[:12]} not in the store and the pull from the registry failed: " \
+                 f"{type(exc).__name__}: {exc}"
+        if mode is Mode.PREFERRED:
+            log.warning("HWR resolve %s: %s; falling back to the canonical load", key[:12], reason)
+            return Resolution(Outcome.CANONICAL_FALLBACK, mode, key=key, reason=reason, error=exc)
+        log.error("HWR resolve %s failed: %s", key[:12], reason)
+        return Resolution(Outcome.FAILED, mode, key=key, reason=reason, error=exc)
+    return f"pulled from {done.reference}: {done.bytes_transferred} bytes in {done.seconds:.2f} s"
 
 
 def _failed(mode: Mode, key: str, reason: str, error: HwrError) -> Resolution:

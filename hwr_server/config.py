@@ -12,6 +12,11 @@ Example ``/etc/hwr/config.toml``::
     socket_group = "hwr"
     capacity = "2TiB"
     source_roots = ["/models", "/root/.cache/huggingface/hub"]
+
+    [remote]                       # an OCI registry (hwr push / hwr pull)
+    registry = "registry.example:5000"
+    repository = "hwr/artifacts"
+    pull_on_miss = true
 """
 
 from __future__ import annotations
@@ -27,6 +32,63 @@ from hwr_client.core.plan import PlanLimits
 
 # The plan limits' defaults are PlanLimits' own: one place for the numbers.
 _PLAN_DEFAULTS = PlanLimits()
+
+
+@dataclasses.dataclass
+class RemoteConfig:
+    """The ``[remote]`` table: the OCI registry this node pulls from and
+    pushes to (hwr_server.remote; README "Many nodes")."""
+
+    #: ``host[:port]`` of the registry; "" = no remote (pull on miss off).
+    registry: str = ""
+    #: Repository artifacts live in; the tag is the identity key.
+    repository: str = ""
+    #: A worker's resolve that misses locally asks the daemon to pull the key.
+    pull_on_miss: bool = False
+    #: After a publication commits, push it to the remote (in the background).
+    push_after_publish: bool = False
+    #: PEM file that verifies the registry's TLS certificate ("" = system store).
+    ca_file: str = ""
+    #: Plain HTTP instead of HTTPS (a loopback or lab registry only).
+    insecure: bool = False
+    #: Docker-style ``config.json`` whose ``auths`` hold the credentials.
+    credentials_file: str = ""
+    #: Layers downloaded (or uploaded) at once. Count.
+    parallel_layers: int = 4
+    #: Upload in PATCH chunks of this many bytes; 0 = one monolithic PUT.
+    upload_chunk_bytes: int = 0
+    #: Attempts per layer download; each retry resumes with a Range request. Count.
+    layer_attempts: int = 3
+    #: Seconds a registry connect or read may take.
+    timeout_s: float = 30.0
+    #: What a pull checks before its commit: "file" (every file's SHA-256
+    #: and size, while it downloads) or "full" (also re-hashes every tensor
+    #: and block against the pulled manifest, as `hwr verify` does).
+    verify_pull: str = "file"
+
+    @classmethod
+    def from_mapping(cls, doc: Any, *, what: str) -> "RemoteConfig":
+        if not isinstance(doc, dict):
+            raise InvalidArgument(f"{what}: [remote] must be a table")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(doc) - fields
+        if unknown:
+            raise InvalidArgument(f"{what}: unknown key(s) {sorted(unknown)} in [remote]; expected some of "
+                                  f"{sorted(fields)}")
+        values: dict[str, Any] = {}
+        defaults = cls()
+        for k, v in doc.items():
+            if k.endswith("_bytes"):
+                values[k] = parse_size(v)
+                continue
+            default = getattr(defaults, k)
+            ok = (type(v) is bool if isinstance(default, bool) else type(v) is int if isinstance(default, int)
+                  else type(v) in (int, float) if isinstance(default, float) else isinstance(v, str))
+            if not ok:
+                raise InvalidArgument(f"{what}: remote.{k} = {v!r} has the wrong type; expected "
+                                      f"{type(default).__name__}")
+            values[k] = float(v) if isinstance(default, float) else v
+        return cls(**values)
 
 
 @dataclasses.dataclass
@@ -170,6 +232,10 @@ class ServerConfig:
     #: Longest a request waits for an in-flight slot. Seconds. Default 300.
     registration_max_wait_s: float = 300.0
 
+    # -- many nodes: the OCI registry (hwr_server.remote) --
+    #: The ``[remote]`` table (see RemoteConfig).
+    remote: RemoteConfig = dataclasses.field(default_factory=RemoteConfig)
+
     def resolved(self) -> "ServerConfig":
         """A copy with empty paths filled from :func:`default_paths`."""
         root, sock, admin = default_paths()
@@ -197,6 +263,13 @@ class ServerConfig:
         for r in self.source_roots:
             if not os.path.isabs(r):
                 raise InvalidArgument(f"config: source root {r!r} must be an absolute path")
+        rem = self.remote
+        if (rem.pull_on_miss or rem.push_after_publish) and not (rem.registry and rem.repository):
+            raise InvalidArgument("config: [remote] pull_on_miss / push_after_publish need registry and repository")
+        if rem.verify_pull not in ("file", "full"):
+            raise InvalidArgument(f"config: [remote] verify_pull {rem.verify_pull!r}: expected 'file' or 'full'")
+        if rem.parallel_layers < 1 or rem.layer_attempts < 1:
+            raise InvalidArgument("config: [remote] parallel_layers and layer_attempts must be at least 1")
         return self
 
     @classmethod
@@ -213,6 +286,9 @@ class ServerConfig:
         values: dict[str, Any] = {}
         defaults = cls()
         for k, v in doc.items():
+            if k == "remote":
+                values[k] = RemoteConfig.from_mapping(v, what=what)
+                continue
             if k == "capacity" or k.endswith("_bytes") or k.endswith("_bytes_per_s"):
                 values[k] = parse_size(v)
                 continue

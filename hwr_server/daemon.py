@@ -46,6 +46,7 @@ from hwr_server.leases import LeaseManager
 from hwr_server.lock import InstanceLock
 from hwr_server.metrics import Metrics, StoreStats
 from hwr_server.registration import RegistrationAdmission
+from hwr_server.remote import Remote
 from hwr_server.scrub import Scrubber
 from hwr_server.sdnotify import Notifier
 from hwr_server.sources import SourceCache
@@ -72,6 +73,7 @@ class Components:
     scrub: Scrubber
     metrics: Metrics
     registration: RegistrationAdmission
+    remote: Remote
 
 
 class Daemon:
@@ -169,11 +171,13 @@ class Daemon:
             False: StreamAdmission(cfg, socket_name="runtime socket", deadlines=deadlines),
             True: StreamAdmission(cfg, socket_name="admin socket", deadlines=deadlines, per_peer=False),
         }
+        # Push and pull read and commit through the store; no background work.
+        remote = Remote(cfg, store)
         figures: list[tuple[str, StatsSource]] = [
             ("store", StoreStats(store.figures)), ("leases", leases), ("sources", sources), ("gc", gc),
-            ("scrub", scrub), ("streams", self._admission[False]), ("registration", registration), ("daemon", self)]
+            ("scrub", scrub), ("streams", self._admission[False]), ("registration", registration), ("remote", remote), ("daemon", self)]
         metrics = self._built("metrics", Metrics(cfg, figures, started_unix=self.started_unix))
-        return Components(store, leases, sources, gc, scrub, metrics, registration)
+        return Components(store, leases, sources, gc, scrub, metrics, registration, remote)
 
     def _built(self, name: str, component: _C) -> _C:
         """Records a component with background work for start() and shutdown()."""

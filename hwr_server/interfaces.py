@@ -18,6 +18,7 @@ Seams::
     scrub     -> leases: Pins           (pinned keys)
     leases    -> store:  LeaseStore     (get, contains)
     recovery  -> store:  RecoveryStore  (layout, load_index, quarantine)
+    remote    -> store:  RemoteStore    (get, claim, staging, the commit's SequenceStore)
     metrics   -> each:   StatsSource    (flat figures)
     registration -> leases: a ``session_id -> bool`` liveness callable
                  (LeaseManager.keepalive); leases -> registration: the
@@ -30,6 +31,7 @@ from __future__ import annotations
 from typing import ContextManager, Mapping, Protocol, Sequence
 
 from hwr_client.core.manifest import Manifest
+from hwr_server.commit import SequenceStore
 
 
 class CapacityHook(Protocol):
@@ -165,6 +167,28 @@ class RecoveryStore(Protocol):
                    manifest: Manifest | None = None) -> str: ...
 
 
+class RemoteStore(SequenceStore, Protocol):
+    """What push and pull (:mod:`hwr_server.remote`) need of the store: the
+    published artifacts and their blobs (push), and a publication's claim,
+    staging, capacity check and durable commit (pull)."""
+
+    capacity_hook: CapacityHook
+
+    def get(self, key: str) -> tuple[Manifest, list[str]]: ...
+
+    def manifest_json(self, key: str) -> str: ...
+
+    def contains(self, key: str) -> bool: ...
+
+    def claim(self, key: str, pub_id: str) -> bool:
+        """Single flight with publications; True when already published."""
+        ...
+
+    def release_claim(self, key: str, pub_id: str, *, moved_blobs: tuple[str, ...] = ()) -> None: ...
+
+    def new_staging(self, pub_id: str) -> str: ...
+
+
 # -- what components need of the lease manager ----------------------------------------
 
 
@@ -230,5 +254,5 @@ class Lifecycle(Protocol):
 
 __all__ = [
     "CapacityHook", "DirInfo", "GcLeases", "GcStore", "LeaseHolder", "LeaseStore", "Lifecycle", "Pins",
-    "RecoveryStore", "ScrubStore", "StatsSource", "VerifyOutcome",
+    "RecoveryStore", "RemoteStore", "ScrubStore", "StatsSource", "VerifyOutcome",
 ]

@@ -57,6 +57,8 @@ def publish(c: Components, requests: Iterator[pb.PublishRequest], context: grpc.
                 pub.write(chunk.file_index, chunk.offset, chunk.data)
             elif kind == "commit":
                 done = pub.commit()
+                if not done.already_published:
+                    c.remote.push_after_publish(done.key)
                 yield pb.PublishEvent(
                     committed=pb.PublishCommitted(
                         key=done.key, manifest_json=done.manifest_json, bytes_written=done.bytes_written,

@@ -26,7 +26,7 @@ import grpc
 
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
 from hwr_client.core.errors import HwrError, PermissionDenied, Unavailable, status_code_of
-from hwr_server import peers, rpc_gc, rpc_leases, rpc_registration, rpc_sources, rpc_stats, rpc_store
+from hwr_server import peers, rpc_gc, rpc_leases, rpc_registration, rpc_remote, rpc_sources, rpc_stats, rpc_store
 from hwr_server.admission import StreamAdmission
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Admin rpcs that change the store; only served on the admin socket.
-MUTATING_ADMIN_RPCS = frozenset({"DeleteArtifact", "CollectGarbage", "VerifyArtifact", "ForgetSource"})
+MUTATING_ADMIN_RPCS = frozenset({"DeleteArtifact", "CollectGarbage", "VerifyArtifact", "ForgetSource", "Push", "Pull"})
 
 #: A handler: (components, request or request iterator, context) -> reply,
 #: or an iterator of replies for a streaming rpc. Requests and replies are
@@ -51,8 +51,10 @@ def _abort(context: grpc.ServicerContext, rpc: str, exc: BaseException) -> None:
     context.abort(grpc.StatusCode.INTERNAL, f"{rpc}: internal error: {type(exc).__name__}: {exc}")
 
 
-def _handler(func: Handler, rpc: str, *, streaming: bool = False) -> Callable[..., Any]:
-    """Builds the servicer method of ``rpc`` that calls ``func``."""
+def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool = False) -> Callable[..., Any]:
+    """Builds the servicer method of ``rpc`` that calls ``func``: a client
+    stream with ``streaming``, one request and a reply stream with
+    ``replies`` (the transfers), else unary."""
     mutating = rpc in MUTATING_ADMIN_RPCS
 
     def check(self: _Base) -> None:
@@ -79,6 +81,20 @@ def _handler(func: Handler, rpc: str, *, streaming: bool = False) -> Callable[..
 
         stream.__name__ = rpc
         return stream
+
+    if replies:
+
+        def reply_stream(self: _Base, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                check(self)
+                yield from func(self.components, request, context)
+            except Exception as exc:  # noqa: BLE001 - translated, never swallowed
+                if isinstance(exc, grpc.RpcError) or context.code() is not None:
+                    raise
+                _abort(context, rpc, exc)
+
+        reply_stream.__name__ = rpc
+        return reply_stream
 
     def unary(self: _Base, request: Any, context: grpc.ServicerContext) -> Any:
         try:
@@ -125,6 +141,7 @@ class RuntimeServicer(_Base, pb_grpc.RuntimeServicer):
     AdmitRegistration = _handler(rpc_registration.admit, "AdmitRegistration")
     ReportRegistrationChunk = _handler(rpc_registration.report_chunk, "ReportRegistrationChunk")
     ReleaseRegistration = _handler(rpc_registration.release, "ReleaseRegistration")
+    PullOnMiss = _handler(rpc_remote.pull_on_miss, "PullOnMiss", replies=True)
 
 
 class AdminServicer(_Base, pb_grpc.AdminServicer):
@@ -139,6 +156,8 @@ class AdminServicer(_Base, pb_grpc.AdminServicer):
     GetStats = _handler(rpc_stats.get_stats, "GetStats")
     ListSources = _handler(rpc_sources.list_records, "ListSources")
     ForgetSource = _handler(rpc_sources.forget, "ForgetSource")
+    Push = _handler(rpc_remote.push, "Push", replies=True)
+    Pull = _handler(rpc_remote.pull, "Pull", replies=True)
 
 
 def add_to_server(server: grpc.Server, components: Components, *, ready: Callable[[], bool], admin: bool,

@@ -309,10 +309,16 @@ class Store:
             cleanup unlinks it on a failure before the publish point).
         """
         dest = self.blob_path(digest)
-        # Outside the lock: comparing may read gigabytes, and every lookup,
-        # lease and commit waits on the lock. The inode compared is checked
-        # again under the lock below.
-        same = same_bytes(dest, staged, size)
+        stored = file_identity(dest)
+        if stored is not None and stored == file_identity(staged):
+            # A pull hard-linked the stored blob into staging: the same
+            # inode, nothing to compare (the blob is reused as it is).
+            same: tuple[int, int] | None = stored
+        else:
+            # Outside the lock: comparing may read gigabytes, and every lookup,
+            # lease and commit waits on the lock. The inode compared is checked
+            # again under the lock below.
+            same = same_bytes(dest, staged, size)
         with self._lock:
             self._pending_blobs.setdefault(key, set()).add(digest)
             if same is not None and digest not in self._bad_blobs and file_identity(dest) == same:

@@ -254,6 +254,58 @@ def test_crash_at_failpoint_recovers(daemon, point):
     DRIVERS[failpoints.get(point).sequence](daemon, point)
 
 
+# -- a pull commits through the same sequence ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory):
+    """A real registry holding SHARED and OWN, pushed by a daemon that is
+    gone again: (registry host, {tag: key})."""
+    from tests.oci_registry import make_registry, remote_config
+
+    tmp = tmp_path_factory.mktemp("pull-matrix")
+    reg = make_registry(str(tmp / "registry"))
+    src = make_daemon(tmp, "--config", remote_config(str(tmp / "src.toml")))
+    src.start()
+    try:
+        with src.client() as c:
+            for tag, tensors in (("shared", SHARED), ("own", OWN)):
+                key = c.publish(identity(t=tag), tensors, file_target_bytes=1).key
+                c.transfer(c.admin.Push, pb.PushRequest(key=key, reference=f"{reg.host}/hwr/matrix"))
+    finally:
+        cleanup(src)
+    yield reg.host
+    reg.stop()
+
+
+@pytest.mark.parametrize("point", [p.name for p in failpoints.POINTS if p.sequence == "commit"])
+def test_pull_crash_at_commit_failpoint_recovers(daemon, pushed, tmp_path, point):
+    """A pull killed at each step of the commit it shares with publication.
+    The node holds SHARED first, so OWN's base blob is reused (linked), and
+    only its block files are downloaded."""
+    from tests.oci_registry import remote_config
+
+    daemon.extra_args += ["--config", remote_config(str(tmp_path / "node.toml"))]
+    own = key_of("own")
+    pull = pb.PullRequest(reference=f"{pushed}/hwr/matrix:{own}")
+    visible = index_of(point, "commit.rename_artifact") > 0
+    start(daemon)
+    with daemon.client() as c:
+        c.publish(identity(t="shared"), SHARED, file_target_bytes=1)
+    daemon.stop()
+    start(daemon, point)
+    with daemon.client() as c:
+        expect_death(daemon, point, lambda: c.transfer(c.admin.Pull, pull))
+    start(daemon)
+    keys = assert_consistent(daemon)
+    assert key_of("shared") in keys and (own in keys) == visible
+    with daemon.client() as c:  # the retry
+        done = c.transfer(c.admin.Pull, pull)
+        assert done.key == own and done.already_present == visible
+    assert assert_consistent(daemon) == {own, key_of("shared")}
+    daemon.stop()
+
+
 # -- the switch itself -------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "hwr_client.cli.leases",
     "hwr_client.cli.sources",
     "hwr_client.cli.gc",
+    "hwr_client.cli.remote",
     "hwr_client.cli.demo",
 )
 

@@ -521,3 +521,63 @@ class ForgetSourceReply(_message.Message):
     FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     forgotten: bool
     def __init__(self, forgotten: _Optional[bool] = ...) -> None: ...
+
+class PullOnMissRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("key", "reference")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    reference: str
+    def __init__(self, key: _Optional[str] = ..., reference: _Optional[str] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("reference",)
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    reference: str
+    def __init__(self, reference: _Optional[str] = ...) -> None: ...
+
+class TransferEvent(_message.Message):
+    __slots__ = ("progress", "done")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    progress: TransferProgress
+    done: TransferDone
+    def __init__(self, progress: _Optional[_Union[TransferProgress, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
+
+class TransferProgress(_message.Message):
+    __slots__ = ("bytes_done", "bytes_total", "layers_done", "layers_total")
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_DONE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    bytes_done: int
+    bytes_total: int
+    layers_done: int
+    layers_total: int
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., layers_done: _Optional[int] = ..., layers_total: _Optional[int] = ...) -> None: ...
+
+class TransferDone(_message.Message):
+    __slots__ = ("key", "reference", "manifest_digest", "bytes_transferred", "layers_transferred", "layers_skipped", "seconds", "already_present")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    reference: str
+    manifest_digest: str
+    bytes_transferred: int
+    layers_transferred: int
+    layers_skipped: int
+    seconds: float
+    already_present: bool
+    def __init__(self, key: _Optional[str] = ..., reference: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., bytes_transferred: _Optional[int] = ..., layers_transferred: _Optional[int] = ..., layers_skipped: _Optional[int] = ..., seconds: _Optional[float] = ..., already_present: _Optional[bool] = ...) -> None: ...

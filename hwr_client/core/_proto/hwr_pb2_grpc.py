@@ -88,6 +88,11 @@ class RuntimeStub:
                 request_serializer=hwr__pb2.ReleaseRegistrationRequest.SerializeToString,
                 response_deserializer=hwr__pb2.ReleaseRegistrationReply.FromString,
                 _registered_method=True)
+        self.PullOnMiss = channel.unary_stream(
+                '/hwr.v1.Runtime/PullOnMiss',
+                request_serializer=hwr__pb2.PullOnMissRequest.SerializeToString,
+                response_deserializer=hwr__pb2.TransferEvent.FromString,
+                _registered_method=True)
 
 
 class RuntimeServicer:
@@ -188,6 +193,17 @@ class RuntimeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullOnMiss(self, request, context):
+        """Pull on a miss: the daemon pulls `key` from its configured [remote]
+        (pull_on_miss) and streams progress, then one `done`. NOT_FOUND when no
+        remote is configured or the registry lacks the key (an ordinary miss);
+        UNAVAILABLE when the registry is unreachable. Workers missing the same
+        key share one download.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -240,6 +256,11 @@ def add_RuntimeServicer_to_server(servicer, server):
                     servicer.ReleaseRegistration,
                     request_deserializer=hwr__pb2.ReleaseRegistrationRequest.FromString,
                     response_serializer=hwr__pb2.ReleaseRegistrationReply.SerializeToString,
+            ),
+            'PullOnMiss': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullOnMiss,
+                    request_deserializer=hwr__pb2.PullOnMissRequest.FromString,
+                    response_serializer=hwr__pb2.TransferEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -526,6 +547,33 @@ class Runtime:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def PullOnMiss(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hwr.v1.Runtime/PullOnMiss',
+            hwr__pb2.PullOnMissRequest.SerializeToString,
+            hwr__pb2.TransferEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class AdminStub:
     """---------------------------------------------------------------------------
@@ -584,6 +632,16 @@ class AdminStub:
                 '/hwr.v1.Admin/ForgetSource',
                 request_serializer=hwr__pb2.ForgetSourceRequest.SerializeToString,
                 response_deserializer=hwr__pb2.ForgetSourceReply.FromString,
+                _registered_method=True)
+        self.Push = channel.unary_stream(
+                '/hwr.v1.Admin/Push',
+                request_serializer=hwr__pb2.PushRequest.SerializeToString,
+                response_deserializer=hwr__pb2.TransferEvent.FromString,
+                _registered_method=True)
+        self.Pull = channel.unary_stream(
+                '/hwr.v1.Admin/Pull',
+                request_serializer=hwr__pb2.PullRequest.SerializeToString,
+                response_deserializer=hwr__pb2.TransferEvent.FromString,
                 _registered_method=True)
 
 
@@ -659,6 +717,23 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Push(self, request, context):
+        """Pushes a published artifact to an OCI registry (layers the registry
+        has are skipped); streams progress, then one `done` with the manifest
+        digest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pull(self, request, context):
+        """Pulls an artifact from an OCI registry into the store through the
+        publication's durable commit; streams progress, then one `done`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -706,6 +781,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ForgetSource,
                     request_deserializer=hwr__pb2.ForgetSourceRequest.FromString,
                     response_serializer=hwr__pb2.ForgetSourceReply.SerializeToString,
+            ),
+            'Push': grpc.unary_stream_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=hwr__pb2.PushRequest.FromString,
+                    response_serializer=hwr__pb2.TransferEvent.SerializeToString,
+            ),
+            'Pull': grpc.unary_stream_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=hwr__pb2.PullRequest.FromString,
+                    response_serializer=hwr__pb2.TransferEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -955,6 +1040,60 @@ class Admin:
             '/hwr.v1.Admin/ForgetSource',
             hwr__pb2.ForgetSourceRequest.SerializeToString,
             hwr__pb2.ForgetSourceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hwr.v1.Admin/Push',
+            hwr__pb2.PushRequest.SerializeToString,
+            hwr__pb2.TransferEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hwr.v1.Admin/Pull',
+            hwr__pb2.PullRequest.SerializeToString,
+            hwr__pb2.TransferEvent.FromString,
             options,
             channel_credentials,
             insecure,
