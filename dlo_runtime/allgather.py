@@ -42,6 +42,7 @@ multi-GPU machine was available).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -149,8 +150,13 @@ class SequenceCheck:
     """The block-sequence check (see the module docstring, step 1)."""
 
     def __init__(self, group: Any, device: torch.device, timeout_s: float, names: Sequence[str],
-                 sizes: Sequence[int]):
+                 sizes: Sequence[int], *, stream: Any = None):
         self.group, self.device, self.timeout_s = group, device, timeout_s
+        #: CUDA: a side stream the check is issued on, so NCCL's stream
+        #: waits for nothing queued on the compute stream (a check issued
+        #: from the compute stream would make the host wait for the block
+        #: that is running). None: the current stream / CPU.
+        self.stream = stream
         self.size, self.rank = group.size(), group.rank()
         self.names, self.sizes = list(names), list(sizes)
         self.loads = 0  # block loads issued by this rank so far
@@ -165,15 +171,19 @@ class SequenceCheck:
             CollectiveFailed: the exchange itself failed or timed out.
         """
         t0 = time.perf_counter()
-        mine = torch.tensor([self.loads, j, self.sizes[j], 0], dtype=torch.int64, device=self.device)
-        out = torch.empty(4 * self.size, dtype=torch.int64, device=self.device)
         what = f"all_gather_single (block-sequence check before load {self.loads}, block {self.names[j]!r})"
-        work = _gather_op()(out, mine, group=self.group, async_op=True)
-        # Blocking: the data gather of this load is issued only once every
-        # rank agrees on it, so ranks that diverge never pair collectives
-        # of different sizes (which hangs or corrupts instead of failing).
-        _wait(work, self.timeout_s, what, self.rank, self.size)
-        rows = out.view(self.size, 4).cpu().tolist()
+        # Everything on the side stream on CUDA (see ``stream``): the tag's
+        # H2D, the gather, the wait and the read-back are ordered there only.
+        with (torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()):
+            mine = torch.tensor([self.loads, j, self.sizes[j], 0], dtype=torch.int64, device=self.device)
+            out = torch.empty(4 * self.size, dtype=torch.int64, device=self.device)
+            work = _gather_op()(out, mine, group=self.group, async_op=True)
+            # Blocking: the data gather of this load is issued only once
+            # every rank agrees on it, so ranks that diverge never pair
+            # collectives of different sizes (which hangs or corrupts
+            # instead of failing).
+            _wait(work, self.timeout_s, what, self.rank, self.size)
+            rows = out.view(self.size, 4).cpu().tolist()
         self.loads += 1
         self.seconds += time.perf_counter() - t0
         if all(row == rows[0] for row in rows):

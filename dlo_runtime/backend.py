@@ -416,7 +416,8 @@ class OffloadBackend:
                                                      f"({sum(p.shard for p in plans)} of {sum(sizes)} bytes)")
         self.trail.append(f"transport:{ag.ALLGATHER}")
         self._sequence = ag.SequenceCheck(group, self.device, o.collective_timeout_s,
-                                          [b.name for b in self._blocks], sizes)
+                                          [b.name for b in self._blocks], sizes,
+                                          stream=self._cu.Stream(self.device) if self._async else None)
         buf = max((p.padded for p in plans), default=0)
         self._buffers = [torch.empty(buf, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self._counts = [[0, 0, 0, 0] for _ in self._blocks]

@@ -172,6 +172,11 @@ class Worker:
         if not self._publish_pending or self.client is None:
             return None
         self._publish_pending = False
+        if self.handle is not None and self.handle.stats.group_size > 1:
+            # No full tensor exists on an AllGather rank (the transaction
+            # never defers publication for one; this guards direct use).
+            self.report.publish = {"ok": False, "skipped": "AllGather rank: only shards are held"}
+            return None
         t0 = time.perf_counter()
         report = self.client.publish_after_load(self.identity, self.host_tensors(), **kwargs)
         self.report.publish = _as_dict(report)

@@ -464,3 +464,71 @@ def test_shard_plan_pads_to_group_times_alignment():
             assert plans[0].padded % (g * 64) == 0 and plans[0].padded >= n
             assert plans[0].padded - n < g * 64
             assert [p.begin for p in plans] == [r * plans[0].shard for r in range(g)]
+
+
+# -- launching and identity -----------------------------------------------------------
+
+
+def test_worker_entry_takes_the_torchrun_environment(setup):
+    """``python -m dlo_runtime.worker --dp 2`` under a torchrun-style
+    environment: two ranks warm-start from the daemon's lease with AllGather
+    over the DP group and match the resident model."""
+    import subprocess
+
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("HWR_SOCKET", None)
+        cmd = [sys.executable, "-m", "dlo_runtime.worker", "--checkpoint", setup["medium"], "--mode", "required",
+               "--socket", setup["socket"], "--forward", "--dp", "2", "--collective-timeout-s", "60"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=LAUNCH_DEADLINE_S)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert [o["rank"] for o in outs] == [0, 1]
+    for o in outs:
+        assert o["world_size"] == 2 and o["dlo_group"] == "dp" and o["dlo_group_size"] == 2
+        assert o["outcome"] == "LOCAL_HIT" and o["transport"] == "allgather" and o["group_size"] == 2
+        assert o["output_sha256"] == setup["resident_medium"]
+    assert outs[0]["shard_bytes"] == outs[1]["shard_bytes"] > 0  # each rank holds its half
+
+
+def test_worker_entry_refuses_a_world_that_is_not_dp_times_sp(setup):
+    from dlo_runtime.worker import _init_topology
+
+    with pytest.raises(InvalidArgument, match="WORLD_SIZE=4 but --dp 2 --sp 1 needs 2 ranks"):
+        _init_topology({"WORLD_SIZE": "4"}, 2, 1, "cpu", 10)
+    with pytest.raises(InvalidArgument, match=r"\['RANK', 'MASTER_ADDR', 'MASTER_PORT'\] not set"):
+        _init_topology({"WORLD_SIZE": "2"}, 2, 1, "cpu", 10)
+    assert _init_topology({}, 1, 1, "cpu", 10)["dlo_group"] == "rank-local"
+
+
+def test_identity_two_tp_ranks_by_two_dp_replicas(setup):
+    """2 TP x 2 DP: replica 0 of each TP rank publishes (cold start), replica
+    1 warm-starts; DP replicas share one artifact key, TP ranks get their own."""
+    keys: dict[tuple[int, int], str] = {}
+    digests = set()
+    for dp in (0, 1):
+        for tp in (0, 1):
+            mode = "preferred" if dp == 0 else "required"
+            opts = WorkerOptions("tiny-dit", setup["small"], mode, setup["socket"], layout=f"tp_rank={tp},tp_size=2")
+            worker, result = run(opts, forward=True, publish=dp == 0)
+            worker.close()
+            assert result["outcome"] == ("CANONICAL_FALLBACK" if dp == 0 else "LOCAL_HIT"), result
+            if dp == 0:
+                assert result["publish"] and result["publish"].get("ok", True), result["publish"]
+            keys[(tp, dp)] = result["key"]
+            digests.add(result["output_sha256"])
+    assert keys[(0, 0)] == keys[(0, 1)] and keys[(1, 0)] == keys[(1, 1)]
+    assert keys[(0, 0)] != keys[(1, 0)]
+    assert len(digests) == 1  # (this test model's TP ranks hold the same bytes)
