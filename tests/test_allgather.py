@@ -82,8 +82,15 @@ def _launch(size: int, scenarios: list[str], env: dict, outdir: str, deadline_s:
 def _rank_main(rank: int, size: int, port: int, scenarios: list[str], env: dict, outdir: str) -> None:
     import torch.distributed as dist
 
+    import importlib
+
+    for module in env.get("imports", ()):  # modules that register more scenarios
+        importlib.import_module(module)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+    backend = env.get("backend", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=60))
     pg = dist.group.WORLD
     for name in scenarios:
