@@ -118,7 +118,7 @@ def _rank(rank: int, size: int, port: int, row: dict, doc_path: str) -> None:
     # Alone, after the forwards: one blocking gather and one memcpy of the largest block.
     largest = max(b.nbytes for b in stats.blocks)
     gather_s = copy_s = 0.0
-    if size > 1:
+    if size > 1 and group is not None:
         unit = size * 64
         padded = (largest + unit - 1) // unit * unit
         buf = torch.empty(padded, dtype=torch.uint8)
@@ -237,13 +237,14 @@ def table(doc: dict) -> str:
     for r in doc["rows"]:
         pr = r["per_rank"]
         avg = lambda k: sum(x[k] for x in pr) / len(pr)  # noqa: E731
+        gather = f"{avg('gather_largest_s') * 1e3:.2f}" if r["mode"] == "allgather" and r["ranks"] > 1 else "-"
         lines.append(
             f"{r['mode']:<22}{r['ranks']:>2} {human(int(avg('pss'))):>9} {human(r['pss_sum']):>9} "
             f"{human(r['pss_added_sum']):>9} {human(int(avg('private_added'))):>10} {human(r['private_added_sum']):>9} "
             f"{human(r['dirty_added_sum']):>10} {r['dirty_added_sum_over_one_copy']:>5.2f} "
             f"{human(r['shard_sum']):>8} {avg('forward_s') * 1e3:>7.1f} {avg('compute_per_block_s') * 1e3:>8.2f} "
             f"{avg('wait_per_block_s') * 1e3:>7.2f} {avg('seq_per_block_s') * 1e3:>6.2f} "
-            f"{avg('gather_largest_s') * 1e3:>7.2f} {avg('copy_largest_s') * 1e3:>6.2f} "
+            f"{gather:>7} {avg('copy_largest_s') * 1e3:>6.2f} "
             f"{human(int(avg('collective_bytes_per_forward'))):>9} {str(r['outputs_equal'] and r['equal_to_cold']):>5}")
     return "\n".join(lines)
 
@@ -258,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="parent of the temporary workdir")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "allgather.json"))
+    ap.add_argument("--render", metavar="JSON", help="print the table of an earlier run and exit")
     args = ap.parse_args(argv)
+    if args.render:
+        print(table(json.load(open(args.render))))
+        return 0
     workdir = tempfile.mkdtemp(prefix="hwr-bench-allgather-", dir=args.dir)
     try:
         doc = run(parse_size(args.size), [int(g) for g in args.ranks.split(",")], args.passes, workdir, args.socket)
