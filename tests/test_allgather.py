@@ -35,8 +35,8 @@ from tests.daemon import cleanup, make_daemon
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = TinyDiTConfig()  # 4 blocks of ~100 KiB
 #: The memory relation needs streamed bytes well above allocator noise and
-#: the two slots: 12 blocks of ~1.6 MiB.
-MEDIUM = TinyDiTConfig(hidden=256, depth=12, heads=4, image=8)
+#: the two slots: 16 blocks of ~2.3 MiB.
+MEDIUM = TinyDiTConfig(hidden=256, depth=16, heads=4, image=8)
 LAUNCH_DEADLINE_S = 150.0
 STALL_TIMEOUT_S = 3.0
 KILL_TIMEOUT_S = 20.0
@@ -328,7 +328,8 @@ def _check_parity_and_memory(res, setup, size):
         steps = [t.split(":")[0] for t in row["tx"]]
         assert steps.index("CARRIER_OWNED") < steps.index("BACKEND_OWNED") < steps.index("BACKEND_READY")
         streamed, shards, buf = row["streamed"], row["shard_bytes"], row["buffer_bytes"]
-        assert shards <= streamed / size + 12 * size * 64  # 1/G, padding at most one alignment unit per block
+        # 1/G, padding at most one alignment unit per block
+        assert shards <= streamed / size + MEDIUM.depth * size * 64
         # Private host bytes this rank added: its shards and the two slots,
         # not a copy of the model (rank-local without a shared lease: all of it).
         # (Measured across the backend's setup: shards cut, non-streamed
@@ -337,8 +338,11 @@ def _check_parity_and_memory(res, setup, size):
         marks = dict(row["marks"])
         delta = (marks["ready"] - marks["setup"]) * 1024
         assert 0.9 * shards <= delta <= shards + 2 * buf + (6 << 20), (delta, shards, buf, streamed, row["marks"])
-        # Serving rebuilds no private copy of the model either.
-        assert (marks["forward"] - marks["ready"]) * 1024 < streamed / 2, row["marks"]
+        # Serving rebuilds no private copy of the model either. (What a
+        # forward adds here, activations and allocator/gloo caches on a
+        # loaded machine, measured 0.3-0.55x of the streamed bytes at 12
+        # blocks of this width: a bound on "no copy", not a tight figure.)
+        assert (marks["forward"] - marks["ready"]) * 1024 < 0.8 * streamed, row["marks"]
 
 
 def _check_fails_everywhere(rows, name, error_type, needle, size):
