@@ -19,6 +19,14 @@ a copy is issued and waited for is the copy engine's
 "device" one copy thread playing the copy stream; the schedule here is the
 same code for both.
 
+AllGather (``process_group`` of G > 1 ranks, :mod:`dlo_runtime.allgather`):
+the same schedule, but each rank holds 1/G of every block (its shard) and a
+load is a block-sequence check across the group followed by a gather of
+every rank's shard into the slot. A lease is only the shards' source and is
+closed during setup. A setup that fails after some blocks were sharded
+leaves those blocks' tensors as placeholders: the model must be discarded
+(the startup transaction does).
+
 Ownership: the backend takes the lease (from a :class:`LeaseCarrier`, once)
 before any asynchronous work, and its teardown runs, in order: drain device
 work -> drop hooks, staging, buffers and module references -> unregister every
