@@ -206,6 +206,24 @@ def sc_lease(rank, size, pg, env):
         worker.close()
 
 
+def sc_cold(rank, size, pg, env):
+    """A preferred miss under AllGather: canonical load, shards from the
+    ordinary tensors, and no publication (no rank holds a full tensor)."""
+    opts = WorkerOptions("tiny-dit", env["small"], "preferred", env["socket"], process_group=pg)
+    worker = start_worker(opts)
+    try:
+        out = worker.forward(*sample_inputs(SMALL, seed=0))
+        published = worker.publish()
+        from hwr_client.resolve import Outcome
+
+        still_missing = worker.client.resolve(worker.identity, mode="preferred").outcome is Outcome.CANONICAL_FALLBACK
+        return {"outcome": worker.report.outcome, "tx": worker.report.trail, "digest": output_digest(out),
+                "published": published is not None, "publish": worker.report.publish, "missing": still_missing,
+                "transport": worker.handle.stats.transport}
+    finally:
+        worker.close()
+
+
 def sc_divergent(rank, size, pg, env):
     """The last rank skips block 1: every rank must fail with the sequence error."""
     model = _canonical(env["small"])
@@ -255,7 +273,7 @@ def sc_sigkill(rank, size, pg, env):
     return {}
 
 
-SCENARIOS = {"tinydit_ordinary": sc_tinydit_ordinary, "toy_uneven": sc_toy_uneven, "lease": sc_lease,
+SCENARIOS = {"tinydit_ordinary": sc_tinydit_ordinary, "toy_uneven": sc_toy_uneven, "lease": sc_lease, "cold": sc_cold,
              "divergent": sc_divergent, "stall": sc_stall, "sigkill": sc_sigkill}
 EXPECTED_TO_BREAK = {"divergent"}  # fails on every rank but leaves the group consistent
 
@@ -356,9 +374,15 @@ def _check_fails_everywhere(rows, name, error_type, needle, size):
 
 
 def test_two_ranks_parity_lease_divergence_and_stall(setup, tmp_path):
-    res = _launch(2, ["tinydit_ordinary", "toy_uneven", "lease", "divergent", "stall"],
+    res = _launch(2, ["tinydit_ordinary", "toy_uneven", "lease", "cold", "divergent", "stall"],
                   dict(setup, base=None, resident=0), str(tmp_path))
     _check_parity_and_memory(res, setup, 2)
+    _ok(res["cold"], "cold")
+    for row in res["cold"]:
+        assert row["outcome"] == "CANONICAL_FALLBACK" and row["transport"] == "allgather"
+        assert row["digest"] == setup["resident_small"][0]
+        assert any(t.startswith("publish_skipped") for t in row["tx"]), row["tx"]
+        assert not row["published"] and row["missing"]  # nothing of placeholders reached the store
     _check_fails_everywhere(res["divergent"], "divergent", "BlockSequenceMismatch", "block sequence differs", 2)
     assert "rank 1: load 3 of block 0" in res["divergent"][0]["error"]
     stall = res["stall"][0]
