@@ -10,12 +10,17 @@
   lease from loader to backend.
 - :func:`load_canonical_into` — canonical loading that releases each
   checkpoint tensor as soon as it is copied.
+- :func:`offload_group` / :func:`validate_wave` — DLO's weight-sharding
+  group (AllGather over DP or SP, or rank-local) and the wave rules of
+  AllGather DP waves.
 """
 
+from dlo_runtime.allgather import ALLGATHER, BlockSequenceMismatch, CollectiveFailed
 from dlo_runtime.backend import BlockStats, OffloadBackend, OffloadStats, enable_layerwise_offload, retained
 from dlo_runtime.canonical import CanonicalOptions, LoadReport, load_canonical_into
 from dlo_runtime.checkpoint import CheckpointReader, iter_checkpoint
 from dlo_runtime.cuda_host import CudaRegistrar, HostCapability, NullRegistrar, Registrar
+from dlo_runtime.groups import GroupChoice, offload_group, validate_wave
 from dlo_runtime.options import OffloadOptions
 from dlo_runtime.restore import RestorePlan, RestoreResult, commit_restore, finalize_shared, plan_restore, restore_model
 from dlo_runtime.transaction import ModelRecipe, Stage, StartupResult, StartupTransaction, discard_model
@@ -26,6 +31,7 @@ from dlo_runtime.transports import (
 from hwr_client.resolve import Mode, Outcome
 
 __all__ = [
+    "ALLGATHER", "BlockSequenceMismatch", "CollectiveFailed", "GroupChoice", "offload_group", "validate_wave",
     "BlockStats", "CanonicalOptions", "CheckpointReader", "CudaRegistrar", "HostCapability", "LoadReport", "Mode",
     "ModelRecipe", "NullRegistrar", "ORDINARY", "OffloadBackend", "OffloadOptions", "OffloadStats", "Outcome",
     "REGISTERED", "Registrar", "RegistrationAborted", "RestorePlan", "RestoreResult", "STAGING", "Stage",

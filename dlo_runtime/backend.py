@@ -19,6 +19,14 @@ a copy is issued and waited for is the copy engine's
 "device" one copy thread playing the copy stream; the schedule here is the
 same code for both.
 
+AllGather (``process_group`` of G > 1 ranks, :mod:`dlo_runtime.allgather`):
+the same schedule, but each rank holds 1/G of every block (its shard) and a
+load is a block-sequence check across the group followed by a gather of
+every rank's shard into the slot. A lease is only the shards' source and is
+closed during setup. A setup that fails after some blocks were sharded
+leaves those blocks' tensors as placeholders: the model must be discarded
+(the startup transaction does).
+
 Ownership: the backend takes the lease (from a :class:`LeaseCarrier`, once)
 before any asynchronous work, and its teardown runs, in order: drain device
 work -> drop hooks, staging, buffers and module references -> unregister every
@@ -46,6 +54,7 @@ from torch import nn
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_client.core.layout import ALIGN
 
+from dlo_runtime import allgather as ag
 from dlo_runtime.copy_engine import CopyEngine, make_copy_engine
 from dlo_runtime.cuda_host import default_registrar
 from dlo_runtime.options import OffloadOptions
@@ -99,6 +108,7 @@ class BlockStats:
     copies: int  # device copies (one per load)
     h2d_bytes: int
     host_copies: int  # extra host copies (staging memcpy)
+    collective_bytes: int = 0  # AllGather: bytes this rank received from the others
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +126,10 @@ class OffloadStats:
     registration_seconds: float
     registration_calls: int
     blocks: tuple[BlockStats, ...]
+    group_size: int = 1  # AllGather group size (1: rank-local)
+    shard_bytes: int = 0  # AllGather: this rank's private host shards, all blocks
+    sequence_seconds: float = 0.0  # AllGather: time in block-sequence checks
+    gather_wait_seconds: float = 0.0  # AllGather: time blocked on gathers before blocks ran
 
 
 def _align(n: int) -> int:
@@ -171,10 +185,8 @@ def _lease_blocks(streamed: Sequence[tuple[str, nn.Module, list[Slot]]], lease: 
     return out
 
 
-def _pack_block(qual: str, blk: nn.Module, slots: list[Slot], *, pin: bool) -> _Block:
-    """Packs a block's tensors into one host buffer with the aligned layout
-    and repoints them at it (the ordinary transport's one extra host copy;
-    the original storage is released once nothing else references it)."""
+def _pack_layout(qual: str, slots: list[Slot]) -> tuple[list[tuple[nn.Module, str, bool, int, torch.Tensor]], int]:
+    """Each tensor's offset in the block's aligned layout, and the size."""
     rows, pos = [], 0
     for s in slots:
         t = s.tensor
@@ -183,6 +195,14 @@ def _pack_block(qual: str, blk: nn.Module, slots: list[Slot], *, pin: bool) -> _
         pos = _align(pos)
         rows.append((s.module, s.attr, s.is_parameter, pos, t))
         pos += t.numel() * t.element_size()
+    return rows, pos
+
+
+def _pack_block(qual: str, blk: nn.Module, slots: list[Slot], *, pin: bool) -> _Block:
+    """Packs a block's tensors into one host buffer with the aligned layout
+    and repoints them at it (the ordinary transport's one extra host copy;
+    the original storage is released once nothing else references it)."""
+    rows, pos = _pack_layout(qual, slots)
     host = torch.empty(max(pos, 1), dtype=torch.uint8, pin_memory=pin)
     members = []
     for owner, attr, isp, off, t in rows:
@@ -193,6 +213,40 @@ def _pack_block(qual: str, blk: nn.Module, slots: list[Slot], *, pin: bool) -> _
         _set(owner, attr, isp, m.host)
         members.append(m)
     return _Block(qual, blk, host[:pos], tuple(members))
+
+
+def _shard_block(qual: str, blk: nn.Module, slots: list[Slot], lease_block: _Block | None, size: int, rank: int,
+                 out: torch.Tensor) -> tuple[_Block, ag.ShardPlan]:
+    """AllGather: writes this rank's shard of a block into ``out`` and
+    points the block's tensors at placeholders (see
+    :mod:`dlo_runtime.allgather`). The bytes come from the lease's block
+    (``lease_block``) or, without one, straight from each tensor's bytes in
+    the aligned layout (no full packed copy is made)."""
+    if lease_block is not None:
+        plan = ag.ShardPlan.of(lease_block.nbytes, size, rank)
+        members = lease_block.members
+        n = max(0, min(plan.shard, plan.nbytes - plan.begin))
+        out[:n].copy_(lease_block.host_bytes[plan.begin : plan.begin + n])
+        out[n:].zero_()
+    else:
+        rows, pos = _pack_layout(qual, slots)
+        plan = ag.ShardPlan.of(pos, size, rank)
+        out.zero_()  # alignment gaps and padding
+        members = []
+        for owner, attr, isp, off, t in rows:
+            nbytes = t.numel() * t.element_size()
+            cut = plan.overlap(off, nbytes)
+            if cut is not None:
+                raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                dst = off + cut[0] - plan.begin
+                out[dst : dst + cut[1]].copy_(raw[cut[0] : cut[0] + cut[1]])
+            members.append(_Member(owner, attr, isp, off, nbytes, t.dtype, tuple(t.shape), t))
+    held = tuple(dataclasses.replace(m, host=ag.placeholder(m.dtype, m.shape)) for m in members)
+    for m in held:
+        # The rank's full copy of the block is dropped here: the tensor
+        # (a lease view or an ordinary tensor) is no longer referenced.
+        _set(m.owner, m.attr, m.is_parameter, m.host)
+    return _Block(qual, blk, out[:0], held), plan
 
 
 class OffloadBackend:
@@ -221,6 +275,9 @@ class OffloadBackend:
             self.device = torch.device("cuda", torch.cuda.current_device())
         blocks = list(blocks)
         _validate(module, blocks, options.resident_blocks, options.registration_limit_gib)
+        if options.collective_timeout_s < 0:
+            raise InvalidArgument(f"enable_layerwise_offload: collective_timeout_s={options.collective_timeout_s}, "
+                                  f"expected >= 0")
         self._module: nn.Module | None = module
         self._all_blocks = blocks
         self._resident = options.resident_blocks
@@ -249,6 +306,12 @@ class OffloadBackend:
         self._cu: Any = torch.cuda
         self._async = self._cuda
         self._engine: CopyEngine | None = None
+        #: AllGather: the group (size > 1 only; a group of one is rank-local).
+        self._group = options.process_group if ag.group_size(options.process_group) > 1 else None
+        self._plans: list[ag.ShardPlan] = []
+        self._shards: list[torch.Tensor] = []
+        self._shard_store: torch.Tensor | None = None
+        self._sequence: ag.SequenceCheck | None = None
 
     # -- setup ----------------------------------------------------------------
 
@@ -278,6 +341,8 @@ class OffloadBackend:
 
     def _setup(self) -> None:
         assert self._module is not None
+        if self._group is not None:
+            return self._setup_allgather()
         # First: from here on teardown drains through the engine.
         self._engine = make_copy_engine(self.device, cu=self._cu, asynchronous=self._async)
         cap = self._registrar.capability(self.device)
@@ -303,14 +368,81 @@ class OffloadBackend:
         self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         if self._choice.kind == STAGING:
             self._staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._counts = [[0, 0, 0] for _ in self._blocks]
+        self._counts = [[0, 0, 0, 0] for _ in self._blocks]
         self._meta = [(b.name, b.nbytes) for b in self._blocks]  # kept after close for reporting
+        self._hook_and_prefetch()
+
+    def _hook_and_prefetch(self) -> None:
         for j, b in enumerate(self._blocks):
             self._hooks.append(b.module.register_forward_pre_hook(lambda m, a, j=j: self._pre(j)))
             self._hooks.append(b.module.register_forward_hook(lambda m, a, o, j=j: self._post(j)))
         for j in range(min(2, len(self._blocks))):
             self._load(j, j)  # initial prefetch
         self.trail.append("prefetched")
+
+    def _setup_allgather(self) -> None:
+        """The AllGather transport (see :mod:`dlo_runtime.allgather`):
+        shards cut from the lease (then closed) or the ordinary tensors."""
+        assert self._module is not None and self._group is not None
+        group, o = self._group, self.options
+        size, rank = group.size(), group.rank()
+        # First: from here on teardown drains through the engine.
+        self._engine = ag.make_gather_engine(self.device, group, cu=self._cu, timeout_s=o.collective_timeout_s,
+                                             asynchronous=self._async)
+        self._unified = self._registrar.capability(self.device).unified_memory
+        pin = o.pin_memory and self._cuda and not self._unified
+        names = {id(m): n for n, m in self._module.named_modules()}
+        walks = [(names[id(b)], b, tensor_slots(b).slots) for b in self._all_blocks[self._resident :]]
+        skip = {id(s.tensor) for _, _, slots in walks for s in slots}
+        leased = _lease_blocks(walks, self._lease) if self._lease is not None else [None] * len(walks)
+        sizes = [lb.nbytes if lb is not None else _pack_layout(q, sl)[1] for (q, _, sl), lb in zip(walks, leased)]
+        plans = [ag.ShardPlan.of(n, size, rank) for n in sizes]
+        # One private (pinned on CUDA) buffer holds every shard of this rank.
+        self._shard_store = store = torch.empty(max(1, sum(p.shard for p in plans)), dtype=torch.uint8, pin_memory=pin)
+        pos = 0
+        for (qual, blk, slots), lb, p in zip(walks, leased, plans):
+            out = store[pos : pos + p.shard]
+            blk_, plan = _shard_block(qual, blk, slots, lb, size, rank, out)
+            assert plan == p
+            self._blocks.append(blk_)
+            self._plans.append(plan)
+            self._shards.append(out)
+            pos += p.shard
+        # Lease views or the ordinary tensors: nothing of the rank's full
+        # copy stays referenced once these go.
+        del leased, walks
+        self.trail.append("shards")
+        self._make_resident(skip | {id(m.host) for b in self._blocks for m in b.members})
+        if self._lease is not None:
+            self._privatize(self._lease.regions())
+            lease, self._lease = self._lease, None
+            # The mapping was only the shards' source: every rank holds its
+            # shards and nothing points into the mapping any more.
+            lease.close()
+            self.trail.append("close_lease")
+        self._choice = TransportChoice(ag.ALLGATHER, f"rank {rank} of {size} keeps 1/{size} of each block "
+                                                     f"({sum(p.shard for p in plans)} of {sum(sizes)} bytes)")
+        self.trail.append(f"transport:{ag.ALLGATHER}")
+        self._sequence = ag.SequenceCheck(group, self.device, o.collective_timeout_s,
+                                          [b.name for b in self._blocks], sizes,
+                                          stream=self._cu.Stream(self.device) if self._async else None)
+        buf = max((p.padded for p in plans), default=0)
+        self._buffers = [torch.empty(buf, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self._counts = [[0, 0, 0, 0] for _ in self._blocks]
+        self._meta = [(b.name, n) for b, n in zip(self._blocks, sizes)]
+        self._hook_and_prefetch()
+
+    def _privatize(self, regions: Sequence[Any]) -> None:
+        """Copies the module's host tensors that still point into the
+        mapping (non-streamed tensors on a CPU device) out of it."""
+        assert self._module is not None
+        for mod in self._module.modules():
+            for attr, p in mod._parameters.items():
+                if p is not None and ag.in_regions(p.data, regions):
+                    p.data = p.data.clone()
+            for attr, buf in mod._buffers.items():
+                if buf is not None and ag.in_regions(buf, regions):
+                    mod._buffers[attr] = buf.clone()
 
     def _make_resident(self, skip: set[int]) -> None:
         """Moves everything outside the streamed blocks (and streamed blocks'
@@ -337,11 +469,23 @@ class OffloadBackend:
         """One contiguous copy of block j into device buffer ``slot``."""
         assert self._engine is not None
         blk = self._blocks[j]
+        c = self._counts[j]
+        if self._sequence is not None:
+            plan = self._plans[j]
+            # Every rank agrees on this load before its gather is issued.
+            self._sequence.check(j)
+            self._slot_block[slot] = None
+            self._engine.label = f"{j} ({blk.name!r})"  # type: ignore[attr-defined]
+            self._engine.load(slot, self._buffers[slot][: plan.padded], self._shards[j], None)
+            self._slot_block[slot] = j
+            c[0] += 1
+            c[1] += plan.shard
+            c[3] += plan.padded - plan.shard
+            return
         staging = self._staging[slot][: blk.nbytes] if self._staging else None
         self._slot_block[slot] = None
         host_copies = self._engine.load(slot, self._buffers[slot][: blk.nbytes], blk.host_bytes, staging)
         self._slot_block[slot] = j
-        c = self._counts[j]
         c[0] += 1
         c[1] += blk.nbytes
         c[2] += host_copies
@@ -381,12 +525,16 @@ class OffloadBackend:
         self.trail.append("drain")
 
     def _release(self) -> None:
+        if self._engine is not None and not getattr(self._engine, "clean", True):
+            # A collective could not be drained and may still write them.
+            ag.orphan(self._buffers, self._shard_store)
         for h in self._hooks:
             h.remove()
         for b in self._blocks:
             for m in b.members:
                 _set(m.owner, m.attr, m.is_parameter, m.host)
         self._hooks, self._buffers, self._staging, self._blocks = [], [], [], []
+        self._shards, self._shard_store = [], None
         self._module, self._all_blocks = None, []
         self._released = True
         self.trail.append("release")
@@ -455,6 +603,9 @@ class OffloadBackend:
             int(self._buffers[0].numel()) if self._buffers else 0,
             int(self._staging[0].numel()) if self._staging else 0,
             c.registered_bytes, c.registration_seconds, len(c.calls), blocks,
+            ag.group_size(self._group), sum(p.shard for p in self._plans),
+            self._sequence.seconds if self._sequence is not None else 0.0,
+            float(getattr(self._engine, "wait_seconds", 0.0)),
         )
 
     def buffer_ranges(self) -> list[tuple[int, int]]:
@@ -500,6 +651,11 @@ def enable_layerwise_offload(
             holding one (taken once), or None for ordinary tensors. The
             module must have been restored from it. The backend owns it and
             closes it in :meth:`OffloadBackend.close`.
+        process_group: (an option, see below) a ``torch.distributed`` group
+            of G > 1 ranks selects the AllGather transport: every rank of
+            the group must call this with the same model and blocks, and
+            run the same blocks in the same order
+            (:mod:`dlo_runtime.allgather`).
         **fields: individual options (``device="cuda:0"``,
             ``resident_blocks=2``...), applied over ``options``; see
             :class:`~dlo_runtime.options.OffloadOptions` for each one's unit

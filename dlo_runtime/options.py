@@ -40,6 +40,15 @@ class OffloadOptions:
         chunk_bytes: largest range, in bytes, one ``cudaHostRegister`` call
             gets. Default :data:`~dlo_runtime.transports.MAX_CHUNK_BYTES`
             (64 GiB).
+        process_group: the existing ``torch.distributed`` group DLO shards
+            host weights over (see :func:`dlo_runtime.groups.offload_group`):
+            a group of G > 1 ranks selects the AllGather transport (each rank
+            keeps 1/G of every streamed block); None or a group of one is
+            rank-local. Default None.
+        collective_timeout_s: seconds an AllGather collective may take before
+            the forward fails with ``CollectiveFailed`` naming it (gloo: each
+            wait; NCCL: the group's watchdog timeout applies instead); 0
+            waits forever. Default 300.
 
     Example:
         >>> opts = OffloadOptions(device="cuda:0", registration_limit_gib=32)
@@ -53,6 +62,8 @@ class OffloadOptions:
     registration_limit_gib: float = 0.0
     registrar: Registrar | None = None
     chunk_bytes: int = MAX_CHUNK_BYTES
+    process_group: Any = None
+    collective_timeout_s: float = 300.0
 
     def updated(self, **fields: Any) -> "OffloadOptions":
         """A copy with ``fields`` replaced.

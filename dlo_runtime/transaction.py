@@ -312,7 +312,11 @@ class StartupTransaction:
         backend = self._backend(model, self.recipe.select_blocks(model), None).start()
         self._enter(Stage.BACKEND_READY, "ordinary")
         self._enter(Stage.IN_SERVICE, outcome.value)
-        if opts.publish and self.recipe.publish_after_load is not None:
+        if opts.publish and self.recipe.publish_after_load is not None and backend.stats.group_size > 1:
+            # An AllGather rank holds 1/G of each block: its model has no
+            # full tensors to publish (a rank-local start or prewarm does).
+            self._record("publish_skipped", f"AllGather over {backend.stats.group_size} ranks")
+        elif opts.publish and self.recipe.publish_after_load is not None:
             try:
                 self.recipe.publish_after_load(model)
                 self._record("published")

@@ -76,6 +76,10 @@ class WorkerOptions:
         offload: enable the DLO backend (False: the model stays resident).
         registration_limit_gib: registered-bytes ceiling (0 = none); a tiny
             value forces the staging transport on a CUDA node.
+        process_group: DLO's weight-sharding group (see
+            :func:`dlo_runtime.groups.offload_group`): a group of more than
+            one rank selects AllGather; None is rank-local.
+        collective_timeout_s: AllGather collective timeout in seconds.
     """
 
     contract: str
@@ -87,6 +91,8 @@ class WorkerOptions:
     verify: str = "none"
     offload: bool = True
     registration_limit_gib: float = 0.0
+    process_group: Any = None
+    collective_timeout_s: float = 300.0
 
 
 @dataclasses.dataclass
@@ -105,6 +111,8 @@ class StartupReport:
     device_buffer_bytes: int = 0  # both rotating device buffers together
     staging_bytes: int = 0  # both host staging slots together (0 unless staging)
     transport: str = ""
+    group_size: int = 1  # DLO AllGather group size (1: rank-local)
+    shard_bytes: int = 0  # AllGather: this rank's private host shards
     trail: list[str] = dataclasses.field(default_factory=list)
     publish: dict[str, Any] | None = None
 
@@ -164,6 +172,11 @@ class Worker:
         if not self._publish_pending or self.client is None:
             return None
         self._publish_pending = False
+        if self.handle is not None and self.handle.stats.group_size > 1:
+            # No full tensor exists on an AllGather rank (the transaction
+            # never defers publication for one; this guards direct use).
+            self.report.publish = {"ok": False, "skipped": "AllGather rank: only shards are held"}
+            return None
         t0 = time.perf_counter()
         report = self.client.publish_after_load(self.identity, self.host_tensors(), **kwargs)
         self.report.publish = _as_dict(report)
@@ -271,11 +284,16 @@ def start_worker(opts: WorkerOptions) -> Worker:
     if report.outcome == Outcome.LOCAL_HIT.value:
         # Independent proof: every CPU tensor of the model lies in the
         # lease's mapping (device buffers are not model tensors between uses).
-        report.bytes_materialized += private_bytes(worker.model, worker.handle.lease.regions())
+        # (An AllGather backend closed its lease after cutting its shards:
+        # nothing of the model is in a mapping, and its shards are private.)
+        lease = worker.handle.lease
+        report.bytes_materialized += private_bytes(worker.model, lease.regions() if lease is not None else ())
     report.transport = _transport(worker.handle)
     if worker.handle is not None:
         stats = worker.handle.stats
         report.device_buffer_bytes, report.staging_bytes = 2 * stats.buffer_bytes, 2 * stats.staging_bytes
+        report.group_size, report.shard_bytes = stats.group_size, stats.shard_bytes
+        report.bytes_materialized += stats.shard_bytes
     report.phases = {**phases.out, **report.phases}
     log.info("worker started: %s in %.3fs (materialized %d bytes, %d producer calls)",
              report.outcome, report.startup_s, report.bytes_materialized, report.producer_calls)
@@ -300,7 +318,8 @@ def _start_offloaded(opts: WorkerOptions, contract: Contract, phases: _Phases) -
         if client is not None:
             identity = contract.identity(opts.checkpoint, opts.layout, client=client)
             phases.mark("identity")
-        backend = OffloadOptions(device=opts.device, registration_limit_gib=opts.registration_limit_gib)
+        backend = OffloadOptions(device=opts.device, registration_limit_gib=opts.registration_limit_gib,
+                                 process_group=opts.process_group, collective_timeout_s=opts.collective_timeout_s)
         tx = StartupTransaction(mode, _recipe(opts, contract, phases, pending, client is not None),
                                 lambda: _resolve(client, identity, mode, opts.verify, phases), backend)
         result = tx.run()
@@ -417,19 +436,78 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-publish", action="store_true", help="skip publish_after_load on a preferred miss")
     parser.add_argument("--seed", type=int, default=0, help="input seed of the forward pass")
     parser.add_argument("--hold", action="store_true", help="after printing, wait for stdin to close")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (torchrun: WORLD_SIZE = dp * sp)")
+    parser.add_argument("--sp", type=int, default=1, help="sequence-parallel size")
+    parser.add_argument("--no-allgather", action="store_true", help="rank-local DLO even with dp or sp > 1")
+    parser.add_argument("--collective-timeout-s", type=float, default=300.0,
+                        help="AllGather collective timeout (and the process group's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # The torchrun environment is read here only: library code takes groups.
+    topo = _init_topology(dict(os.environ), args.dp, args.sp, args.device, args.collective_timeout_s,
+                          allgather=not args.no_allgather)
     opts = WorkerOptions(args.contract, args.checkpoint, args.mode, args.socket, args.layout, args.device,
-                         offload=not args.no_offload, registration_limit_gib=args.registration_limit_gib)
+                         offload=not args.no_offload, registration_limit_gib=args.registration_limit_gib,
+                         process_group=topo.get("group"), collective_timeout_s=args.collective_timeout_s)
     worker, result = run(opts, forward=args.forward, publish=not args.no_publish, seed=args.seed)
     try:
         result["pss_kib"] = pss_kib()
+        result.update({k: v for k, v in topo.items() if k != "group"})
         print(json.dumps(result, sort_keys=True), flush=True)
         if args.hold:
             sys.stdin.read()  # the parent closes stdin after reading every worker's PSS
     finally:
         worker.close()
+        if topo.get("world_size", 1) > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     return 0
+
+
+def _init_topology(env: dict[str, str], dp: int, sp: int, device: str, timeout_s: float, *,
+                   allgather: bool = True) -> dict[str, Any]:
+    """Initializes torch.distributed from the torchrun environment (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and the DP and SP
+    groups (rank = dp_index * sp + sp_index), then picks DLO's group with
+    :func:`dlo_runtime.groups.offload_group`. A single process (no
+    WORLD_SIZE, or 1) initializes nothing.
+
+    Raises:
+        InvalidArgument: WORLD_SIZE != dp * sp, or a missing variable.
+    """
+    from dlo_runtime.groups import offload_group
+
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world != dp * sp:
+        raise InvalidArgument(f"worker: WORLD_SIZE={world} but --dp {dp} --sp {sp} needs {dp * sp} ranks")
+    if world == 1:
+        return {"rank": 0, "world_size": 1, "dlo_group": "rank-local"}
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise InvalidArgument(f"worker: WORLD_SIZE={world} but {missing} not set (launch with torchrun)")
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, local = int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"]))
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend, init_method=f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s or 1800))
+    dp_i, sp_i = divmod(rank, sp)
+    dp_group = sp_group = None
+    # Every rank creates every group, in the same order (new_group is collective).
+    for s_i in range(sp):
+        g = dist.new_group([d * sp + s_i for d in range(dp)])
+        dp_group = g if s_i == sp_i else dp_group
+    for d_i in range(dp):
+        g = dist.new_group([d_i * sp + s for s in range(sp)])
+        sp_group = g if d_i == dp_i else sp_group
+    choice = offload_group(dp_size=dp, sp_size=sp, dp_group=dp_group, sp_group=sp_group, allgather=allgather)
+    return {"rank": rank, "local_rank": local, "world_size": world, "dlo_group": choice.kind,
+            "dlo_group_size": choice.size, "group": choice.group}
 
 
 if __name__ == "__main__":
