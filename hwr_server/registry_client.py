@@ -13,8 +13,9 @@ What it does:
   * anonymous, basic and bearer-token auth: a 401's ``WWW-Authenticate``
     challenge says which; a Bearer challenge is answered by a token GET at
     its realm (with basic credentials when there are some), cached per scope;
-  * TLS verified against the system store or a CA file; ``insecure`` is
-    plain HTTP (a loopback registry);
+  * TLS verified against the system store or a CA file (a certificate that
+    does not verify is ``FailedPrecondition`` naming TLS verification: a
+    retry cannot help); ``insecure`` is plain HTTP (a loopback registry);
   * redirects for blob GETs (registries send them to object storage; the
     Authorization header is dropped when the host changes);
   * monolithic or chunked uploads, ``Range`` resume of a download.
@@ -200,7 +201,12 @@ class RegistryClient:
         self.insecure = insecure
         self.timeout = timeout
         self._credentials = credentials
-        self._ssl = None if insecure else ssl.create_default_context(cafile=ca_file or None)
+        self._ca_file = ca_file
+        try:
+            self._ssl = None if insecure else ssl.create_default_context(cafile=ca_file or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidArgument(f"[remote] ca_file {ca_file!r}: cannot load it as a PEM CA bundle ({exc}); "
+                                  "give the CA certificate that signed the registry's certificate") from None
         self._lock = threading.Lock()
         self._auth: dict[str, str] = {}  # scope -> Authorization header value
 
@@ -257,7 +263,7 @@ class RegistryClient:
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
-                raise Unavailable(f"{what}: registry {host} unreachable ({exc}); retry when it is up") from None
+                raise _connect_error(exc, what, host, self._ca_file) from None
             if resp.status == 401 and not challenged and host == self.host:
                 challenge = resp.headers.get("WWW-Authenticate", "")
                 resp.read()
@@ -313,7 +319,7 @@ class RegistryClient:
             resp = conn.getresponse()
             body = resp.read(1 << 20)
         except (OSError, http.client.HTTPException) as exc:
-            raise Unavailable(f"{what}: token service {realm.netloc} unreachable ({exc})") from None
+            raise _connect_error(exc, f"{what}: token service", realm.netloc, self._ca_file) from None
         finally:
             conn.close()
         if resp.status in (401, 403):
@@ -429,6 +435,19 @@ class _Slice:
         data = self.f.read(n)
         self.left -= len(data)
         return data
+
+
+def _connect_error(exc: BaseException, what: str, host: str, ca_file: str) -> HwrError:
+    """A request that got no answer. A certificate the client cannot verify
+    is FAILED_PRECONDITION (a retry fails the same way until the
+    configuration changes); anything else is UNAVAILABLE (retry is safe)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        trust = f"the CA file {ca_file}" if ca_file else "the system's CA store (no [remote] ca_file)"
+        return FailedPrecondition(
+            f"{what}: TLS verification of registry {host} failed against {trust}: "
+            f"{exc.verify_message or exc.reason or exc}; set [remote] ca_file to the CA that signed its "
+            "certificate (insecure = true is plain HTTP, for a loopback registry only)")
+    return Unavailable(f"{what}: registry {host} unreachable ({exc}); retry when it is up")
 
 
 def _status_error(status: int, what: str, detail: str) -> HwrError:

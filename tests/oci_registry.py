@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -53,6 +54,8 @@ class Registry:
     port: int
     log_path: str
     htpasswd: str = ""
+    #: (certificate, key, CA) PEM paths: the registry serves HTTPS (see make_tls).
+    tls: tuple[str, str, str] | None = None
     proc: subprocess.Popen | None = None
 
     @property
@@ -60,6 +63,7 @@ class Registry:
         return f"127.0.0.1:{self.port}"
 
     def write_config(self) -> None:
+        tls = (f"  tls:\n    certificate: {self.tls[0]}\n    key: {self.tls[1]}\n" if self.tls else "")
         auth = (f"auth:\n  htpasswd:\n    realm: hwr-test\n    path: {self.htpasswd}\n" if self.htpasswd else "")
         with open(self.config_path, "w") as f:
             f.write(f"""version: 0.1
@@ -76,7 +80,7 @@ storage:
 http:
   addr: {self.host}
   secret: hwr-test-secret
-{auth}""")
+{tls}{auth}""")
 
     def start(self) -> "Registry":
         self.write_config()
@@ -89,7 +93,9 @@ http:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"registry exited with {self.proc.returncode}: {self.log()[-2000:]}")
             try:
-                conn = http.client.HTTPConnection(self.host, timeout=2)
+                conn = (http.client.HTTPSConnection(self.host, timeout=2,
+                                                    context=ssl.create_default_context(cafile=self.tls[2]))
+                        if self.tls else http.client.HTTPConnection(self.host, timeout=2))
                 conn.request("GET", "/v2/")
                 status = conn.getresponse().status
                 conn.close()
@@ -115,10 +121,42 @@ http:
                             digest_hex, "data")
 
 
-def make_registry(tmp_dir: str, *, htpasswd: str = "") -> Registry:
+def make_registry(tmp_dir: str, *, htpasswd: str = "", tls: tuple[str, str, str] | None = None) -> Registry:
     os.makedirs(tmp_dir, exist_ok=True)
     return Registry(storage=os.path.join(tmp_dir, "storage"), config_path=os.path.join(tmp_dir, "config.yml"),
-                    port=free_port(), log_path=os.path.join(tmp_dir, "registry.log"), htpasswd=htpasswd).start()
+                    port=free_port(), log_path=os.path.join(tmp_dir, "registry.log"), htpasswd=htpasswd,
+                    tls=tls).start()
+
+
+def make_tls(tmp_dir: str) -> tuple[str, str, str]:
+    """A throwaway CA and a server certificate it signed for 127.0.0.1 (an IP
+    SAN: the client checks the address it dialled), written by the
+    ``openssl`` binary; returns (certificate, key, CA) paths. Outside CI a
+    missing binary skips; in CI it fails (.ci/setup installs it)."""
+    binary = shutil.which("openssl") or ""
+    if not binary:
+        msg = "openssl is not installed (Debian package openssl; .ci/setup installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    os.makedirs(tmp_dir, exist_ok=True)
+    ca, ca_key, cert, key, csr, ext = (os.path.join(tmp_dir, n) for n in
+                                       ("ca.pem", "ca.key", "server.pem", "server.key", "server.csr", "ext.cnf"))
+    # P-256 keys: generated in milliseconds (RSA takes far longer on a busy CI core).
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run = lambda *args: subprocess.run([binary, *args], check=True, capture_output=True)  # noqa: E731
+    run("req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", "/CN=hwr-test-ca",
+        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    run("req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1")
+    with open(ext, "w") as f:
+        # What a strict verifier (Python >= 3.13's default context sets
+        # VERIFY_X509_STRICT) wants of a leaf: SAN, key usages, key ids.
+        f.write("subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n"
+                "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
+                "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n")
+    run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "2",
+        "-extfile", ext)
+    return cert, key, ca
 
 
 @dataclasses.dataclass
@@ -293,11 +331,15 @@ class Proxy:
 
 def remote_config(path: str, *, registry: str = "", repository: str = "", pull_on_miss: bool = False,
                   credentials_file: str = "", layer_attempts: int = 3, push_after_publish: bool = False,
-                  upload_chunk_bytes: int = 0, verify_pull: str = "file") -> str:
-    """Writes a daemon config with a [remote] table (plain HTTP: loopback)."""
+                  upload_chunk_bytes: int = 0, verify_pull: str = "file", https: bool = False, ca_file: str = "",
+                  timeout_s: float = 10.0) -> str:
+    """Writes a daemon config with a [remote] table: plain HTTP (loopback)
+    unless ``https`` (verified against ``ca_file``, or the system store)."""
     with open(path, "w") as f:
-        f.write("[remote]\ninsecure = true\n")
-        f.write(f"layer_attempts = {layer_attempts}\ntimeout_s = 10.0\n")
+        f.write("[remote]\n" + ("" if https else "insecure = true\n"))
+        if ca_file:
+            f.write(f'ca_file = "{ca_file}"\n')
+        f.write(f"layer_attempts = {layer_attempts}\ntimeout_s = {timeout_s}\n")
         if registry:
             f.write(f'registry = "{registry}"\nrepository = "{repository}"\n')
         if pull_on_miss:

@@ -1,8 +1,9 @@
-"""Registry authentication with real daemons: basic auth against the real
-registry with an htpasswd file (bcrypt, written by apache2-utils'
-``htpasswd``), and the bearer-token flow (a 401 ``WWW-Authenticate: Bearer``
-challenge, then a token request with the basic credentials) answered by
-the test proxy in front of the registry."""
+"""Registry authentication and transport with real daemons: basic auth
+against the real registry with an htpasswd file (bcrypt, written by
+apache2-utils' ``htpasswd``), the bearer-token flow (a 401
+``WWW-Authenticate: Bearer`` challenge, then a token request with the basic
+credentials) answered by the test proxy in front of the registry, and TLS:
+the real registry serving HTTPS with a certificate of a CA made here."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import subprocess
 import pytest
 
 from hwr_client.core._proto import hwr_pb2 as pb
-from hwr_client.core.errors import PermissionDenied
+from hwr_client.core.errors import FailedPrecondition, PermissionDenied
 from tests.conftest import identity, sample_tensors
-from tests.oci_registry import Proxy, make_registry, remote_config
+from tests.oci_registry import Proxy, make_registry, make_tls, remote_config
 
 TENSORS = sample_tensors(blocks=2, seed=21)
 
@@ -100,4 +101,37 @@ def test_bearer_token_flow(make_daemon_fixture, tmp_path):
             transfer(anon, "Pull", pb.PullRequest(reference=f"{ref}:{key}"))
     finally:
         proxy.close()
+        reg.stop()
+
+
+def test_tls_is_verified_against_the_ca_file(make_daemon_fixture, tmp_path):
+    cert, key, ca = make_tls(str(tmp_path / "tls"))
+    reg = make_registry(str(tmp_path / "reg"), tls=(cert, key, ca))
+    repo = "hwr/tls"
+    try:
+        def node(name: str, ca_file: str):
+            cfg = remote_config(str(tmp_path / f"{name}.toml"), https=True, ca_file=ca_file, registry=reg.host,
+                                repository=repo, pull_on_miss=True, layer_attempts=1)
+            return make_daemon_fixture("--config", cfg, root=str(tmp_path / name))
+
+        a, b, blind = node("a", ca), node("b", ca), node("blind", "")
+        with a.client() as c:
+            key = c.publish(identity(t="tls"), TENSORS).key
+        ref = f"{reg.host}/{repo}"
+        pushed = transfer(a, "Push", pb.PushRequest(key=key, reference=ref))
+        assert transfer(b, "Pull", pb.PullRequest(reference=f"{ref}:{key}")).manifest_digest == pushed.manifest_digest
+        assert b.cli("verify", key).returncode == 0
+        # The registry's certificate is not in the system store: without the
+        # CA file every way in is refused, naming TLS verification; nothing is left.
+        with pytest.raises(FailedPrecondition, match="TLS verification of registry .* failed"):
+            transfer(blind, "Pull", pb.PullRequest(reference=f"{ref}:{key}"))
+        with blind.client() as c:
+            res = c.resolve(identity(t="tls"), mode="preferred")
+            assert res.outcome == "CANONICAL_FALLBACK" and "TLS verification" in res.reason, res.reason
+            res = c.resolve(identity(t="tls"), mode="required")
+            assert res.outcome == "FAILED" and isinstance(res.error, FailedPrecondition)
+            assert "ca_file" in str(res.error)
+        for sub in ("staging", "artifacts", os.path.join("blobs", "sha256")):
+            assert os.listdir(os.path.join(blind.root, sub)) == []
+    finally:
         reg.stop()
