@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Self, Sequence
 
 import grpc
 
-from hwr_client.channel import RuntimeChannel, default_socket, open_channel
+from hwr_client.channel import DEFAULT_TIMEOUT_S, RuntimeChannel, default_socket, open_channel
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
 from hwr_client.core.digests import SourceDigest
-from hwr_client.core.errors import Internal, from_rpc_error
+from hwr_client.core.errors import Internal, Unavailable, from_rpc_error
 from hwr_client.core.identity import Identity
 from hwr_client.core.manifest import Manifest
 from hwr_client.core.plan import FILE_TARGET_BYTES
@@ -194,30 +194,63 @@ class Client(RuntimeChannel):
         return _publish_after_load(self, identity, tensors, blocks=blocks, progress=progress)
 
     def transfer(self, method: Callable[..., Any], request: Any, *,
-                 progress: Callable[[pb.TransferProgress], None] | None = None) -> pb.TransferDone:
+                 progress: Callable[[pb.TransferProgress], None] | None = None,
+                 stall_s: float | None = None) -> pb.TransferDone:
         """Runs a transfer rpc (Push, Pull, PullOnMiss) to its end, handing
-        each progress event to ``progress``; no deadline (the daemon streams
-        progress while bytes flow).
+        each progress event to ``progress``. No deadline on the whole call
+        (a large pull legitimately takes minutes; the daemon streams
+        progress while bytes flow); ``stall_s`` bounds the time without any
+        event instead: past it the call is cancelled (the daemon's transfer
+        goes on and commits whole or not at all).
 
         Raises:
             HwrError: the daemon's error class (NotFound, DataLoss, Unavailable, ...).
+            Unavailable: no event for ``stall_s`` seconds, naming the stall.
         """
+        call = method(request, timeout=None)
+        heard = threading.Event()
+        over = threading.Event()
+        stalled = [False]
+
+        def watch() -> None:
+            # One wait per event: an event resets the bound.
+            while heard.wait(stall_s):
+                heard.clear()
+                if over.is_set():
+                    return
+            if not over.is_set():
+                stalled[0] = True
+                call.cancel()
+
+        if stall_s is not None:
+            threading.Thread(target=watch, name="hwr-transfer-watch", daemon=True).start()
         try:
-            for ev in method(request, timeout=None):
+            for ev in call:
+                heard.set()
                 if ev.WhichOneof("kind") == "done":
                     return ev.done
                 if progress is not None:
                     progress(ev.progress)
         except grpc.RpcError as err:
+            if stalled[0]:
+                raise Unavailable(f"{type(request).__name__.removesuffix('Request')}: no progress from the daemon "
+                                  f"for {stall_s:g} s (the registry or the daemon stalled); the caller gave up, the "
+                                  "daemon's transfer goes on and commits whole or not at all") from None
             raise from_rpc_error(err) from None
+        finally:
+            over.set()
+            heard.set()  # wakes the watcher so that it ends now
         raise Internal("transfer: the daemon ended the stream without a result")
 
-    def pull_on_miss(self, key: str, *,
-                     progress: Callable[[pb.TransferProgress], None] | None = None) -> pb.TransferDone:
+    def pull_on_miss(self, key: str, *, progress: Callable[[pb.TransferProgress], None] | None = None,
+                     stall_s: float | None = DEFAULT_TIMEOUT_S) -> pb.TransferDone:
         """Asks the daemon to pull ``key`` from its configured remote (the
-        PullOnMiss rpc); see :meth:`transfer` for errors (NotFound: no remote,
-        or the registry lacks it)."""
-        return self.transfer(self.runtime.PullOnMiss, pb.PullOnMissRequest(key=key), progress=progress)
+        PullOnMiss rpc) and waits while progress flows: ``stall_s`` seconds
+        without progress (default: the deadline of every unary call) end
+        the wait with Unavailable; see :meth:`transfer` for the other errors
+        (NotFound: no remote, or the registry lacks it)."""
+        return self.transfer(self.runtime.PullOnMiss, pb.PullOnMissRequest(key=key), progress=progress,
+                             stall_s=stall_s)
 
     def resolve_sources(self, paths: Sequence[str | os.PathLike[str]], *,
                         threads: int | None = None) -> list[SourceDigest]:

@@ -31,6 +31,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from hwr_client.channel import DEFAULT_TIMEOUT_S
 from hwr_client.core.errors import (FailedPrecondition, HwrError, InvalidArgument, NotFound, ResourceExhausted,
                                     Unavailable)
 from hwr_client.core.identity import Identity
@@ -200,8 +201,19 @@ def resolve(client: Any, identity: Identity | Mapping | str, *, mode: Mode | str
                       reason=f"exact artifact in the store ({pulled})" if pulled else "exact artifact in the store")
 
 
+#: Pull on a miss: seconds the worker waits without progress from the daemon
+#: before it gives up on the pull. The deadline rule of every unary call
+#: (``DEFAULT_TIMEOUT_S``: no answer for that long is a failure) applied to
+#: each progress event rather than to the whole pull, which legitimately
+#: takes minutes for a large artifact while its bytes flow. Past it the
+#: miss is handled like an unreachable registry below; the daemon's pull
+#: goes on and serves the next miss.
+PULL_STALL_S = DEFAULT_TIMEOUT_S
+
+
 def _pull_on_miss(client: Any, key: str, mode: Mode, miss: NotFound) -> Resolution | str:
-    """Asks the daemon to pull ``key`` from its remote (PullOnMiss).
+    """Asks the daemon to pull ``key`` from its remote (PullOnMiss), waiting
+    as long as progress comes at least every :data:`PULL_STALL_S` seconds.
 
     Returns:
         A one-line note when it was pulled (the caller acquires again), or
@@ -220,7 +232,7 @@ def _pull_on_miss(client: Any, key: str, mode: Mode, miss: NotFound) -> Resoluti
                      p.bytes_done / 2**20, p.bytes_total / 2**20, p.layers_done, p.layers_total)
 
     try:
-        done = client.pull_on_miss(key, progress=progress)
+        done = client.pull_on_miss(key, progress=progress, stall_s=PULL_STALL_S)
     except NotFound as exc:
         return _miss(mode, key, f"artifact {key[:12]} not in the store ({exc})", miss)
     except HwrError as exc:

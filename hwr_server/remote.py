@@ -102,10 +102,31 @@ class Transfer:
 
 
 class _Flight:
-    def __init__(self) -> None:
+    """One pull of a key and everyone waiting on it. The leader's progress
+    goes to every waiter (a waiter that heard nothing would give up: see
+    the no-progress bound of ``Client.pull_on_miss``)."""
+
+    def __init__(self, progress: ProgressFn) -> None:
         self.done = threading.Event()
         self.result: Transfer | None = None
         self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._listeners = [progress]
+        self._last: Progress | None = None
+
+    def join(self, progress: ProgressFn) -> None:
+        with self._lock:
+            self._listeners.append(progress)
+            last = self._last
+        if last is not None:
+            progress(last)  # a late waiter hears where the pull stands at once
+
+    def progress(self, p: Progress) -> None:
+        with self._lock:
+            self._last = p
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn(p)
 
 
 class _Counter:
@@ -302,25 +323,26 @@ class Remote:
         if key:
             # The key is known before the registry is asked: join a pull in
             # flight before even fetching the manifest.
-            return self._flight(key, lambda: self._fetch_and_commit(ref, progress, t0, key))
+            return self._flight(key, progress, lambda p: self._fetch_and_commit(ref, p, t0, key))
         return self._fetch_and_commit(ref, progress, t0, "")
 
-    def _flight(self, key: str, work: Callable[[], Transfer]) -> Transfer:
+    def _flight(self, key: str, progress: ProgressFn, work: Callable[[ProgressFn], Transfer]) -> Transfer:
         with self._lock:
             flight = self._flights.get(key)
             leader = flight is None
             if leader:
-                flight = self._flights[key] = _Flight()
+                flight = self._flights[key] = _Flight(progress)
         assert flight is not None
         if not leader:
             self._count("pull_joined")
+            flight.join(progress)
             flight.done.wait()
             if flight.error is not None:
                 raise flight.error
             assert flight.result is not None
             return flight.result
         try:
-            flight.result = work()
+            flight.result = work(flight.progress)
             return flight.result
         except BaseException as exc:
             flight.error = exc
@@ -348,8 +370,8 @@ class Remote:
             with client.open_blob(ref.repository, oci.config.digest) as r:
                 config = r.read(limit)
             manifest = check_config(oci, config, what=what, tag=ref.tag)
-            done = (self._flight(manifest.key, lambda: self._materialize(ref, client, manifest, oci.digest,
-                                                                           progress, t0))
+            done = (self._flight(manifest.key, progress,
+                                 lambda p: self._materialize(ref, client, manifest, oci.digest, p, t0))
                     if not key else self._materialize(ref, client, manifest, oci.digest, progress, t0))
         except BaseException:
             self._count("pulls_failed")

@@ -3,8 +3,11 @@ Pull (admin) and PullOnMiss (runtime, the configured remote only).
 
 The transfer runs on its own thread and the handler streams its progress
 (at most one event per ``_PROGRESS_S``), then one ``done``. A caller that
-goes away does not stop a pull: it commits whole or leaves nothing, and
-the workers waiting on the same key get its outcome.
+goes away (cancelled, or gave up on its no-progress bound) frees its
+handler thread within ``_PROGRESS_S`` but does not stop the transfer: a
+pull commits whole or leaves nothing, the other waiters of the key get its
+outcome, and a later miss of the key finds it stored (README "Many nodes",
+"A caller that goes away").
 """
 
 from __future__ import annotations
@@ -28,18 +31,18 @@ _PROGRESS_S = 0.25
 
 def push(c: Components, request: pb.PushRequest, context: grpc.ServicerContext) -> Iterator[pb.TransferEvent]:
     """Push KEY to REFERENCE; progress, then done (see Remote.push)."""
-    return _stream(lambda progress: c.remote.push(request.key, request.reference, progress))
+    return _stream(lambda progress: c.remote.push(request.key, request.reference, progress), context)
 
 
 def pull(c: Components, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TransferEvent]:
     """Pull REFERENCE into the store; progress, then done (see Remote.pull)."""
-    return _stream(lambda progress: c.remote.pull(request.reference, progress))
+    return _stream(lambda progress: c.remote.pull(request.reference, progress), context)
 
 
 def pull_on_miss(c: Components, request: pb.PullOnMissRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.TransferEvent]:
     """Pull KEY from the configured remote (see Remote.pull_missing)."""
-    return _stream(lambda progress: c.remote.pull_missing(request.key, progress))
+    return _stream(lambda progress: c.remote.pull_missing(request.key, progress), context)
 
 
 def done_pb(t: Transfer) -> pb.TransferDone:
@@ -48,7 +51,7 @@ def done_pb(t: Transfer) -> pb.TransferDone:
                            layers_skipped=t.layers_skipped, seconds=t.seconds, already_present=t.already_present)
 
 
-def _stream(work: Callable[[ProgressFn], Transfer]) -> Iterator[pb.TransferEvent]:
+def _stream(work: Callable[[ProgressFn], Transfer], context: grpc.ServicerContext) -> Iterator[pb.TransferEvent]:
     events: queue.Queue = queue.Queue()
     last = [0.0]
     lock = threading.Lock()
@@ -69,7 +72,12 @@ def _stream(work: Callable[[ProgressFn], Transfer]) -> Iterator[pb.TransferEvent
 
     threading.Thread(target=run, name="hwr-transfer", daemon=True).start()
     while True:
-        kind, value = events.get()
+        try:
+            kind, value = events.get(timeout=_PROGRESS_S)
+        except queue.Empty:
+            if not context.is_active():
+                return  # the caller went away; the transfer goes on (module docstring)
+            continue
         if kind == "progress":
             yield pb.TransferEvent(progress=pb.TransferProgress(
                 bytes_done=value.bytes_done, bytes_total=value.bytes_total, layers_done=value.layers_done,

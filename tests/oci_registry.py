@@ -188,6 +188,13 @@ class Proxy:
         self.gate_digest = ""
         self.redirect_blobs = False
         self.holding = threading.Event()  # a download reached the gate
+        #: When an Event: GETs of the blob ``stall_digest`` (of every blob
+        #: when "") wait on it before going upstream (a registry that stalls
+        #: before the first byte), then go on whole; ``stalled`` is set when
+        #: one waits there.
+        self.stall: threading.Event | None = None
+        self.stall_digest = ""
+        self.stalled = threading.Event()
         #: (user, password, token): answer the registry token flow in front
         #: of the registry (Bearer challenges, a token endpoint at /token).
         self.bearer: tuple[str, str, str] | None = None
@@ -243,6 +250,11 @@ class Proxy:
                     self.end_headers()
                     proxy._log(Seen(self.command, self.path, self.headers.get("Range", ""), 307, 0))
                     return
+                stall = proxy.stall
+                if (stall is not None and self.command == "GET" and "/blobs/sha256:" in self.path
+                        and self.path.endswith(proxy.stall_digest)):
+                    proxy.stalled.set()
+                    stall.wait(120)
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 # The Host header passes through: the registry builds upload

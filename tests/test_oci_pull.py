@@ -8,6 +8,8 @@ test uses its own repository so they do not see each other's blobs.
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 import os
 import threading
 import time
@@ -44,10 +46,10 @@ def nodes(make_daemon_fixture, tmp_path, registry):
     reg, proxy = registry
 
     def make(repo: str = "", pull_on_miss: bool = False, layer_attempts: int = 3, push_after_publish: bool = False,
-             extra: tuple[str, ...] = ()):
+             extra: tuple[str, ...] = (), timeout_s: float = 10.0):
         cfg = remote_config(str(tmp_path / f"cfg-{len(os.listdir(tmp_path))}.toml"), registry=proxy.host,
                             repository=repo, pull_on_miss=pull_on_miss, layer_attempts=layer_attempts,
-                            push_after_publish=push_after_publish)
+                            push_after_publish=push_after_publish, timeout_s=timeout_s)
         return make_daemon_fixture("--config", cfg, *extra, root=str(tmp_path / f"root-{len(os.listdir(tmp_path))}"))
 
     return make
@@ -362,3 +364,118 @@ def test_unreachable_registry_is_a_logged_miss_or_a_clear_failure(make_daemon_fi
         assert res.outcome == "FAILED" and isinstance(res.error, Unavailable) and "unreachable" in str(res.error)
         with pytest.raises(NotFound):  # the daemon keeps serving
             c.lookup(Identity.from_dict(identity(t="unreachable")).key)
+
+
+def stats(node) -> dict[str, float]:
+    with node.client() as c:
+        return json.loads(c.call(c.reader.GetStats, pb.GetStatsRequest()).stats_json)
+
+
+def wait_for(cond, what: str, node, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout} s; {node.log()[-2000:]}"
+        time.sleep(0.05)
+
+
+def test_a_stalled_pull_on_miss_gives_up_and_the_pull_goes_on(nodes, registry, monkeypatch, caplog):
+    """The registry stalls before the first byte: the worker waits at most
+    PULL_STALL_S without progress, then preferred falls back (the reason
+    logged) and required fails naming the pull; the daemon's pull, whose
+    callers went away, goes on when the registry answers again and commits
+    whole, so the next miss is a plain LOCAL_HIT with no second download."""
+    import hwr_client.resolve as resolve_mod
+
+    reg, proxy = registry
+    repo = "hwr/stall"
+    a = nodes()
+    key = publish(a, "stall")
+    push(a, key, f"{proxy.host}/{repo}")
+    # The daemon's own read timeout is far longer than the worker's bound:
+    # what gives up here is the worker's wait, not the daemon's download.
+    node = nodes(repo, pull_on_miss=True, timeout_s=120.0)
+    monkeypatch.setattr(resolve_mod, "PULL_STALL_S", 0.5)
+    proxy.take()
+    proxy.stalled.clear()
+    proxy.stall_digest, proxy.stall = "", threading.Event()
+    try:
+        with node.client() as c, caplog.at_level(logging.WARNING, logger="hwr_client.resolve"):
+            res = c.resolve(identity(t="stall"), mode="preferred")
+            assert res.outcome == "CANONICAL_FALLBACK", res.reason
+            assert "pull from the registry failed" in res.reason and "no progress" in res.reason, res.reason
+            assert any("no progress" in r.getMessage() and "canonical load" in r.getMessage()
+                       for r in caplog.records), caplog.text
+            res = c.resolve(identity(t="stall"), mode="required")
+            assert res.outcome == "FAILED" and isinstance(res.error, Unavailable)
+            assert "PullOnMiss: no progress" in str(res.error), res.error
+            assert proxy.stalled.is_set()
+            with pytest.raises(NotFound):  # nothing visible while the pull is held
+                c.lookup(key)
+    finally:
+        proxy.stall.set()
+        proxy.stall = None
+    # Both callers gave up; the pull they started commits on its own.
+    wait_for(lambda: stats(node).get('hwr_remote_transfers_total{op="pull",outcome="ok"}') == 1, "pull", node)
+    with node.client() as c:
+        res = c.resolve(identity(t="stall"), mode="required")
+        assert res.outcome == "LOCAL_HIT", res.reason
+        res.lease.close()
+    gets = blob_gets(proxy.take())
+    assert len(gets) == len(set(gets)) == len({f.blob for f in done_files(a, key)}) + 1, gets  # layers, config: once each
+    assert os.listdir(os.path.join(node.root, "staging")) == []
+    assert node.cli("verify", key).returncode == 0
+
+
+def _resolve_worker(socket: str, ident: dict, out) -> None:
+    """One worker process: resolve in preferred mode; a miss would call the
+    canonical producer (reported, never run)."""
+    import hwr_client
+
+    try:
+        with hwr_client.connect(socket) as c:
+            res = c.resolve(ident, mode="preferred")
+            out.put((os.getpid(), str(res.outcome), res.reason, "" if res.hit else "producer"))
+            if res.hit:
+                res.lease.close()
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        out.put((os.getpid(), "ERROR", f"{type(exc).__name__}: {exc}", ""))
+
+
+def test_eight_worker_processes_missing_one_key_cause_one_download(nodes, registry):
+    reg, proxy = registry
+    repo = "hwr/eight"
+    a = nodes()
+    key = publish(a, "eight")
+    push(a, key, f"{proxy.host}/{repo}")
+    node = nodes(repo, pull_on_miss=True, timeout_s=120.0)
+    # forkserver: the heavy imports (torch, for the lease's views) happen
+    # once in the server; the eight workers are forked from it.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["hwr_client.lease", "hwr_client.resolve"])
+    out = ctx.Queue()
+    proxy.take()
+    # Every blob GET waits until all eight misses are in: then the seven
+    # late ones surely join the first one's pull instead of finding it done.
+    proxy.stall_digest, proxy.stall = "", threading.Event()
+    procs = [ctx.Process(target=_resolve_worker, args=(node.socket, identity(t="eight"), out), daemon=True)
+             for _ in range(8)]
+    try:
+        for p in procs:
+            p.start()
+        wait_for(lambda: stats(node).get("hwr_remote_pulls_joined_total") == 7, "seven joins", node, 120.0)
+        proxy.stall.set()
+        rows = [out.get(timeout=120) for _ in procs]
+    finally:
+        proxy.stall.set()
+        proxy.stall = None
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    assert len({r[0] for r in rows}) == 8, rows  # eight processes
+    assert [r[1] for r in rows] == ["LOCAL_HIT"] * 8, rows
+    assert [r[3] for r in rows if r[3]] == [], rows  # 0 producer calls
+    gets = blob_gets(proxy.take())
+    assert sorted(gets) == sorted({"sha256:" + f.blob for f in done_files(a, key)} | {_config_digest(a, key)})
+    assert stats(node)['hwr_remote_transfers_total{op="pull",outcome="ok"}'] == 1
