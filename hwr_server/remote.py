@@ -22,8 +22,20 @@ directory is removed and the blobs the commit moved are unlinked (the
 store's claim, as for a publication).
 
 Single flight: one pull per key at a time; a second caller of the same key
-waits for the first one's outcome (eight workers missing one key cause one
-download). A publication of the key in flight makes a pull ABORTED (retry).
+waits for the first one's outcome and hears its progress (eight workers
+missing one key cause one download). A publication of the key in flight
+makes a pull ABORTED (retry).
+
+A caller that goes away (its rpc cancelled, or a worker that gave up on
+its no-progress bound, ``hwr_client.resolve.PULL_STALL_S``) does not stop
+the pull, even when no waiter is left. Decided so because: the bytes
+already fetched are the expensive part, and the next miss of the key (the
+worker's restart, the other workers of the node) is served by this pull
+instead of starting over; a pull commits whole or leaves nothing, so a pull
+nobody waits for can never expose a partial artifact; and it is bounded
+without a caller: the registry client's ``timeout_s`` per read and
+``layer_attempts`` per layer end a dead download with UNAVAILABLE, the
+staging removed. ``hwr rm KEY`` removes what it committed, if unwanted.
 
 What a pull checks is what the bytes can prove: every file's SHA-256 (its
 blob name) and size, and that the manifest is a valid HWR manifest of the
