@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import errno
 import os
+import subprocess
 import threading
 import time
 
@@ -479,3 +481,81 @@ def test_eight_worker_processes_missing_one_key_cause_one_download(nodes, regist
     gets = blob_gets(proxy.take())
     assert sorted(gets) == sorted({"sha256:" + f.blob for f in done_files(a, key)} | {_config_digest(a, key)})
     assert stats(node)['hwr_remote_transfers_total{op="pull",outcome="ok"}'] == 1
+
+
+def _fill(path: str) -> None:
+    """Writes ``path`` until its filesystem answers ENOSPC (every page taken)."""
+    with open(path, "ab", buffering=0) as f:
+        for block in (1 << 20, 1 << 16, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * block)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+
+
+def test_a_full_disk_is_resource_exhausted_and_nothing_is_left(make_daemon_fixture, tmp_path, registry, nodes):
+    """A node whose root is a 16 MiB tmpfs. Free space below the artifact:
+    refused before a byte is fetched. The disk filled while layers are in
+    flight: the filesystem's own ENOSPC, RESOURCE_EXHAUSTED. Each time
+    nothing is visible, no staging is left, the daemon keeps serving, and
+    once space is freed the retry completes."""
+    reg, proxy = registry
+    root = str(tmp_path / "small")
+    os.mkdir(root)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", root], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs for a real full disk (needs CAP_SYS_ADMIN): "
+                    f"{mounted.stderr.strip() or mounted.returncode}")
+    try:
+        a = nodes()
+        key = publish(a, "full", sample_tensors(blocks=2, width=512, seed=3))
+        repo = f"{proxy.host}/hwr/full"
+        push(a, key, repo)
+        size = sum(f.size for f in done_files(a, key))
+        assert 4 << 20 < size < 8 << 20  # fits the disk only when it is empty
+        cfg = remote_config(str(tmp_path / "small.toml"), timeout_s=120.0)
+        node = make_daemon_fixture("--config", cfg, root=root)
+        filler = os.path.join(root, "filler")
+        st = os.statvfs(root)
+        with open(filler, "wb") as f:  # leaves 2 MiB free: less than the artifact
+            os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - (2 << 20))
+        with pytest.raises(ResourceExhausted, match="does not fit the disk"):
+            pull(node, f"{repo}:{key}")
+        nothing_left(node)
+        os.unlink(filler)
+        # The disk fills up while a layer is held at the registry.
+        with a.client() as c:
+            proxy.stall_digest = "sha256:" + c.lookup(key).files[0].blob
+        proxy.stalled.clear()
+        proxy.stall = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                pull(node, f"{repo}:{key}")
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                errors.append(exc)
+
+        t = threading.Thread(target=run)
+        t.start()
+        try:
+            assert proxy.stalled.wait(60)
+            _fill(filler)
+        finally:
+            proxy.stall.set()
+            proxy.stall = None
+        t.join(120)
+        assert len(errors) == 1 and isinstance(errors[0], ResourceExhausted), errors
+        assert "disk is full" in str(errors[0]), errors[0]
+        nothing_left(node)
+        with node.client() as c, pytest.raises(NotFound):  # still serving
+            c.lookup(key)
+        os.unlink(filler)
+        assert pull(node, f"{repo}:{key}").key == key
+        assert node.cli("verify", key).returncode == 0
+        node.stop()
+    finally:
+        if subprocess.run(["umount", root], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", root], capture_output=True)  # a daemon still holds it: detach
