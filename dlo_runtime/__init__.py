@@ -10,6 +10,9 @@
   lease from loader to backend.
 - :func:`load_canonical_into` — canonical loading that releases each
   checkpoint tensor as soon as it is copied.
+- :func:`from_pretrained` — a diffusers / transformers model directory
+  through HWR and DLO with one call (:mod:`dlo_runtime.pretrained`; the
+  libraries are imported only when it runs).
 """
 
 from dlo_runtime.backend import BlockStats, OffloadBackend, OffloadStats, enable_layerwise_offload, retained
@@ -17,6 +20,7 @@ from dlo_runtime.canonical import CanonicalOptions, LoadReport, load_canonical_i
 from dlo_runtime.checkpoint import CheckpointReader, iter_checkpoint
 from dlo_runtime.cuda_host import CudaRegistrar, HostCapability, NullRegistrar, Registrar
 from dlo_runtime.options import OffloadOptions
+from dlo_runtime.pretrained import LoadedModel, from_pretrained
 from dlo_runtime.restore import RestorePlan, RestoreResult, commit_restore, finalize_shared, plan_restore, restore_model
 from dlo_runtime.transaction import ModelRecipe, Stage, StartupResult, StartupTransaction, discard_model
 from dlo_runtime.transports import (
@@ -30,6 +34,7 @@ __all__ = [
     "ModelRecipe", "NullRegistrar", "ORDINARY", "OffloadBackend", "OffloadOptions", "OffloadStats", "Outcome",
     "REGISTERED", "Registrar", "RegistrationAborted", "RestorePlan", "RestoreResult", "STAGING", "Stage",
     "StartupResult", "StartupTransaction", "TransportChoice", "UNIFIED", "UnregisterFailed", "commit_restore",
-    "discard_model", "enable_layerwise_offload", "finalize_shared", "iter_checkpoint", "load_canonical_into",
+    "discard_model", "enable_layerwise_offload", "finalize_shared", "from_pretrained", "iter_checkpoint",
+    "load_canonical_into", "LoadedModel",
     "plan_restore", "restore_model", "retained",
 ]
