@@ -299,14 +299,16 @@ class PretrainedContract(Contract):
         self.name = f"{self.library}:{model_class.__name__}"
         self.producer_version = (f"hwr {hwr_version()}; {self.library} {self.library_version}; "
                                  f"torch {torch.__version__.split('+')[0]}")
-        self._spare: nn.Module | None = None
-        self._fp32_patterns: tuple[str, ...] = ()
-        self._spare = self._build(fused=self.fuse_qkv)  # also fixes the fp32 policy
-        policy = ",".join(self._fp32_patterns) or "none"
-        self.representation = {"dtype": dtype, "policy": f"{self.library}-keep-fp32:{policy}"}
-        if self.fuse_qkv and not hasattr(self._spare, "fuse_qkv_projections"):
+        if self.fuse_qkv and not hasattr(model_class, "fuse_qkv_projections"):
             raise InvalidArgument(f"fuse_qkv=True: {self.name} has no fuse_qkv_projections(); "
                                   "expected a diffusers model that supports QKV fusion")
+        self._spare: nn.Module | None = None
+        self._fp32_patterns: tuple[str, ...] = ()
+        # Built now: the fp32 policy (part of the identity) is read off the
+        # instance, as both libraries read it; the first start reuses it.
+        self._spare = self._build(fused=self.fuse_qkv)
+        policy = ",".join(self._fp32_patterns) or "none"
+        self.representation = {"dtype": dtype, "policy": f"{self.library}-keep-fp32:{policy}"}
 
     # -- sources and identity -----------------------------------------------------
 
