@@ -651,6 +651,20 @@ def _block_report(model: nn.Module, blocks: Sequence[nn.Module], report: Pretrai
                             "pass blocks=[...] to stream more")
 
 
+def publish_groups(model: nn.Module, blocks: Sequence[nn.Module]) -> list[tuple[str, list[str]]]:
+    """The artifact's block groups: one ``(prefix, names)`` per block, so
+    each streamed block is one contiguous range of the artifact (what the
+    DLO backend copies in one go)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    groups = []
+    for b in blocks:
+        prefix = names[id(b)] + "."
+        # The prefix travels with the group: T5's tensors all sit under
+        # block.N.layer., deeper than the module the backend streams.
+        groups.append((prefix, [prefix + s.name for s in tensor_slots(b).slots]))
+    return groups
+
+
 def _progress_printer(what: str) -> Callable[[int, int], None]:
     last = [-1]
 
@@ -764,14 +778,7 @@ def from_pretrained(
     if pending:
         t = time.perf_counter()
         tensors = {s.name: s.tensor.detach() for s in tensor_slots(model).slots}
-        names = {id(m): n for n, m in model.named_modules()}
-        groups = []
-        for b in contract.blocks(model):
-            prefix = names[id(b)] + "."
-            # The prefix travels with the group: T5's tensors all sit under
-            # block.N.layer., deeper than the module the backend streams.
-            groups.append((prefix, [prefix + s.name for s in tensor_slots(b).slots]))
-        rep = client.publish_after_load(identity, tensors, blocks=groups,
+        rep = client.publish_after_load(identity, tensors, blocks=publish_groups(model, contract.blocks(model)),
                                         progress=_progress_printer(f"hwr: publishing {contract.name}")
                                         if progress else None)
         del tensors
@@ -808,4 +815,4 @@ def _disabled(files: ModelFiles, cls: Any, dtype: torch.dtype, device: Any, bloc
 
 
 __all__ = ["PretrainedReport", "LoadedModel", "ModelFiles", "PretrainedContract", "check_loaded", "find_blocks",
-           "from_pretrained", "model_files", "parameters_on_meta", "resolve_class"]
+           "from_pretrained", "model_files", "parameters_on_meta", "publish_groups", "resolve_class"]

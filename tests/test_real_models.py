@@ -199,9 +199,26 @@ def test_fused_qkv_is_its_own_final_layout(saved, hwrd):
     assert torch.equal(out, library_reference("flux", directory, fuse=True))
 
 
-def test_required_miss_says_how_to_populate(saved, hwrd, tmp_path):
+def test_required_fails_before_prewarm_and_starts_warm_after(saved, hwrd, tmp_path):
     directory = str(tmp_path / "t5")
     save_model("t5", directory, seed=5)  # a key nobody published
     with pytest.raises(FailedPrecondition, match="prewarm"):
         dlo_runtime.from_pretrained(directory, socket=hwrd.socket, mode="required")
     assert staging_left(hwrd) == []
+    proc = hwrd.cli("prewarm", "--model", directory, "--json")
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout)
+    assert row["outcome"] == "committed" and row["contract"] == "transformers:T5EncoderModel"
+    with dlo_runtime.from_pretrained(directory, socket=hwrd.socket, mode="required", device="cpu") as warm:
+        assert warm.outcome == "LOCAL_HIT" and warm.key == row["key"]
+        assert warm.report.bytes_materialized == 0 and warm.report.producer_calls == 0
+        out = output_of(warm.model, "t5")
+    assert torch.equal(out, library_reference("t5", directory))
+    shown = hwrd.cli("inspect", row["key"])
+    assert shown.returncode == 0, shown.stderr
+    import transformers
+
+    assert "transformers:T5EncoderModel" in shown.stdout and f"transformers {transformers.__version__}" in shown.stdout
+    from hwr_client.cli import main
+
+    assert main(["prewarm", "--model", directory, "--contract", "tiny-dit", "--socket", hwrd.socket]) == 2
