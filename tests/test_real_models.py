@@ -222,3 +222,25 @@ def test_required_fails_before_prewarm_and_starts_warm_after(saved, hwrd, tmp_pa
     from hwr_client.cli import main
 
     assert main(["prewarm", "--model", directory, "--contract", "tiny-dit", "--socket", hwrd.socket]) == 2
+
+
+def test_flux_pipeline_with_the_hwr_transformer_gives_the_same_image(hwrd, tmp_path):
+    from diffusers import FluxPipeline
+
+    from tests.test_real_models_common import run_flux_pipeline, save_flux_pipeline
+
+    pipe_dir = save_flux_pipeline(str(tmp_path / "pipe"))
+    reference = run_flux_pipeline(FluxPipeline.from_pretrained(pipe_dir, dtype=torch.bfloat16))
+    images, outcomes = [], []
+    for _ in range(2):  # cold (publishes), then warm
+        with dlo_runtime.from_pretrained(pipe_dir, subfolder="transformer", socket=hwrd.socket, device="cpu",
+                                         progress=False) as loaded:
+            pipe = FluxPipeline.from_pretrained(pipe_dir, transformer=loaded.model, dtype=torch.bfloat16)
+            images.append(run_flux_pipeline(pipe))
+            outcomes.append(loaded.outcome)
+            if loaded.outcome == "LOCAL_HIT":
+                assert loaded.report.bytes_materialized == 0 and loaded.report.producer_calls == 0
+                # Both denoising steps streamed every block through the backend.
+                assert all(b.copies >= 2 for b in loaded.backend.stats.blocks)
+    assert outcomes == ["CANONICAL_FALLBACK", "LOCAL_HIT"]
+    assert torch.equal(images[0], reference) and torch.equal(images[1], reference)

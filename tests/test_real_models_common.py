@@ -123,3 +123,77 @@ def output_of(model: Any, name: str, dtype: torch.dtype = torch.bfloat16) -> tor
 def shard_count(directory: str) -> int:
     """Number of safetensors shards in ``directory``."""
     return sum(n.endswith(".safetensors") for n in os.listdir(directory))
+
+
+# -- a tiny FLUX pipeline, tokenizers built locally ---------------------------------
+
+_WORDS = ["a", "cat", "dog", "photo", "of", "the", "red", "on", "grass"]
+
+
+def _clip_tokenizer(directory: str) -> Any:
+    """A CLIP BPE tokenizer over a small local vocabulary (no merges)."""
+    import json
+
+    from transformers import CLIPTokenizer
+
+    os.makedirs(directory, exist_ok=True)
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for w in _WORDS:
+        vocab[w + "</w>"] = len(vocab)
+    for c in "abcdefghijklmnopqrstuvwxyz":
+        vocab.setdefault(c, len(vocab))
+        vocab.setdefault(c + "</w>", len(vocab))
+    with open(os.path.join(directory, "vocab.json"), "w") as f:
+        json.dump(vocab, f)
+    with open(os.path.join(directory, "merges.txt"), "w") as f:
+        f.write("#version: 0.2\n")
+    return CLIPTokenizer(os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt"),
+                         model_max_length=16)
+
+
+def _t5_tokenizer(directory: str) -> Any:
+    """A T5 tokenizer: a Unigram model over the same words, built with the
+    ``tokenizers`` library (what T5's spiece model would hold)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import T5TokenizerFast
+
+    os.makedirs(directory, exist_ok=True)
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("\u2581" + w, -1.0) for w in _WORDS]
+    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz\u2581"]
+    tok = Tokenizer(models.Unigram(pieces, unk_id=2))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    path = os.path.join(directory, "tokenizer.json")
+    tok.save(path)
+    return T5TokenizerFast(tokenizer_file=path, extra_ids=0)
+
+
+def save_flux_pipeline(directory: str, *, seed: int = 0) -> str:
+    """A tiny FluxPipeline (CLIP + T5 encoders, VAE, transformer, scheduler)
+    written with ``save_pretrained``; the transformer in several shards."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    scratch = directory + ".tokenizers"
+    clip_tok, t5_tok = _clip_tokenizer(os.path.join(scratch, "clip")), _t5_tokenizer(os.path.join(scratch, "t5"))
+    clip = CLIPTextModel(CLIPTextConfig(bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=32,
+                                        intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
+                                        vocab_size=len(clip_tok), projection_dim=32, max_position_embeddings=16))
+    t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4))
+    vae = AutoencoderKL(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
+                        latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
+                        shift_factor=0.0609, scaling_factor=1.5035)
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2,
+                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                         pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip, tokenizer=clip_tok,
+                        text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer)
+    pipe.save_pretrained(directory, max_shard_size=SHARD)
+    return directory
+
+
+def run_flux_pipeline(pipe: Any) -> torch.Tensor:
+    """Two steps at 16x16 from a fixed seed; the image as a tensor."""
+    with torch.no_grad():
+        return pipe(prompt="a photo of a cat", height=16, width=16, num_inference_steps=2, guidance_scale=3.5,
+                    max_sequence_length=12, generator=torch.Generator().manual_seed(0), output_type="pt").images
