@@ -244,3 +244,34 @@ def test_flux_pipeline_with_the_hwr_transformer_gives_the_same_image(hwrd, tmp_p
                 assert all(b.copies >= 2 for b in loaded.backend.stats.blocks)
     assert outcomes == ["CANONICAL_FALLBACK", "LOCAL_HIT"]
     assert torch.equal(images[0], reference) and torch.equal(images[1], reference)
+
+
+def test_hub_cache_snapshot_is_read_through_the_daemons_hub_trust(saved, tmp_path_factory):
+    import hashlib
+
+    base = tmp_path_factory.mktemp("hubcache")
+    repo = base / "hub" / "models--org--tiny-bert"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    for name in os.listdir(saved["bert"]):
+        data = open(os.path.join(saved["bert"], name), "rb").read()
+        # Deliberately NOT the content's SHA-256: a key built from these names
+        # proves the daemon answered from the hub layout without hashing.
+        blob = hashlib.sha256(b"hub:" + data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        os.symlink(f"../../blobs/{blob}", snap / name)
+    d = make_daemon(base, "--source-root", str(base / "hub")).start()
+    try:
+        with dlo_runtime.from_pretrained(str(snap), socket=d.socket, progress=False) as cold:
+            assert cold.outcome == "CANONICAL_FALLBACK" and cold.report.publish["ok"]
+        with dlo_runtime.from_pretrained(str(snap), socket=d.socket, progress=False) as warm:
+            assert warm.outcome == "LOCAL_HIT" and warm.key == cold.key
+            out = output_of(warm.model, "bert")
+    finally:
+        cleanup(d)
+    files = model_files(str(snap))
+    hashed = PretrainedContract(files, resolve_class(files)).identity(str(snap)).key  # local: hashes the bytes
+    assert hashed != cold.key
+    assert torch.equal(out, library_reference("bert", saved["bert"]))
