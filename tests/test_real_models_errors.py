@@ -119,6 +119,9 @@ def test_checkpoint_that_does_not_fit_the_class(edit, match, tmp_path, good, hwr
 def test_block_names_and_meta_leftovers_are_named(good):
     with pytest.raises(InvalidArgument, match="'nope' is not a submodule of BertModel"):
         dlo_runtime.from_pretrained(good["bert"], mode="disabled", blocks=["nope"], device="cpu")
+    with dlo_runtime.from_pretrained(good["bert"], mode="disabled", blocks=["encoder.layer.0"], device="cpu") as few:
+        assert few.report.blocks == ["encoder.layer.0"] and few.report.streamed_fraction < 0.5
+        assert any("under half" in n for n in few.report.notes)
 
     class Half(nn.Module):
         def __init__(self):
@@ -131,3 +134,13 @@ def test_block_names_and_meta_leftovers_are_named(good):
     with pytest.raises(InvalidArgument, match="fuse_qkv_projections"):
         files = model_files(good["bert"])
         PretrainedContract(files, resolve_class(files), fuse_qkv=True)
+
+
+def test_the_runtime_imports_no_model_library_until_a_load():
+    import subprocess
+
+    code = ("import dlo_runtime, dlo_runtime.pretrained, sys\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('diffusers', 'transformers', 'accelerate')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    assert out.strip() == "[]"
