@@ -26,14 +26,14 @@ def _wan() -> Any:
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
-                                 out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
+                                 out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=3,
                                  rope_max_seq_len=32)
 
 
 def _sd3() -> Any:
     from diffusers import SD3Transformer2DModel
 
-    return SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+    return SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16,
                                  num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
                                  pooled_projection_dim=32, out_channels=4, pos_embed_max_size=16)
 
@@ -41,21 +41,21 @@ def _sd3() -> Any:
 def _llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
 
 
 def _bert() -> Any:
     from transformers import BertConfig, BertModel
 
-    return BertModel(BertConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    return BertModel(BertConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                 num_attention_heads=4, max_position_embeddings=64))
 
 
 def _t5() -> Any:
     from transformers import T5Config, T5EncoderModel
 
-    return T5EncoderModel(T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
+    return T5EncoderModel(T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4))
 
 
 def _g(seed: int) -> torch.Generator:

@@ -144,3 +144,12 @@ def test_the_runtime_imports_no_model_library_until_a_load():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
     assert out.strip() == "[]"
+
+
+def test_model_class_overrides_the_config_and_must_have_from_config(good):
+    from transformers import BertModel
+
+    with dlo_runtime.from_pretrained(good["bert"], model_class=BertModel, mode="disabled") as loaded:
+        assert type(loaded.model) is BertModel and loaded.report.contract == "transformers:BertModel"
+    with pytest.raises(InvalidArgument, match="expected a class with from_config"):
+        dlo_runtime.from_pretrained(good["bert"], model_class=object, mode="disabled")
