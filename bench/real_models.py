@@ -56,6 +56,9 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 GIB = 1 << 30
+#: 4 concurrent library workers are skipped above this much private memory
+#: (4 x the runtime model), as bench/startup.py does for its ordinary workers.
+LIBRARY4_BUDGET = 6 * GIB
 
 #: name -> FluxTransformer2DModel config (FLUX.1: 19 + 38 blocks of width 3072).
 SHAPES = {
@@ -196,7 +199,11 @@ def measure(args: argparse.Namespace, workdir: str, socket: str, shape: str, ckp
         cold = w.group(ckpt, "preferred", socket, 1)[0]
         warm = w.group(ckpt, "preferred", socket, 1)[0]
         dlo = w.group(ckpt, "preferred", socket, 1, device="cpu")[0] if args.dlo else None
-        lib4 = w.group(ckpt, "disabled", None, 4)
+        # A same-dtype checkpoint is mapped, not copied, by the library: 4
+        # workers share it. Otherwise each holds a private model.
+        private = ckpt_dtype != "bfloat16"
+        lib4 = (w.group(ckpt, "disabled", None, 4)
+                if not private or 4 * lib_cold_model_bytes(nbytes, ckpt_dtype) <= LIBRARY4_BUDGET else None)
         warm4 = w.group(ckpt, "preferred", socket, 4)
     finally:
         w.kill_all()
@@ -211,14 +218,20 @@ def measure(args: argparse.Namespace, workdir: str, socket: str, shape: str, ckp
         "shape": shape, "checkpoint_dtype": ckpt_dtype, "config": SHAPES[shape], "checkpoint_bytes": nbytes,
         "model_bytes": cold["bytes_materialized"], "shards": len(shards),
         "rows": rows,
-        "pss4_library_kib": _sum_pss(lib4, baseline_kib), "pss4_warm_kib": _sum_pss(warm4, baseline_kib),
-        "pss4_library_x_model": round(_sum_pss(lib4, baseline_kib) / model_kib, 3),
+        "pss4_library_kib": _sum_pss(lib4, baseline_kib) if lib4 else None,
+        "pss4_warm_kib": _sum_pss(warm4, baseline_kib),
+        "pss4_library_x_model": round(_sum_pss(lib4, baseline_kib) / model_kib, 3) if lib4 else None,
         "pss4_warm_x_model": round(_sum_pss(warm4, baseline_kib) / model_kib, 3),
-        "outputs4_equal": all(r["output_sha256"] == ref for r in lib4 + warm4),
+        "outputs4_equal": all(r["output_sha256"] == ref for r in (lib4 or []) + warm4),
         "warm4_outcomes": sorted({r["outcome"] for r in warm4}),
         "speedup_warm_vs_library": round(lib["startup_s"] / warm["startup_s"], 2),
         "speedup_warm_vs_library_cold": round(lib_cold["startup_s"] / warm["startup_s"], 2),
     }
+
+
+def lib_cold_model_bytes(checkpoint_bytes: int, ckpt_dtype: str) -> int:
+    """The bf16 runtime model's size from its checkpoint's."""
+    return checkpoint_bytes // (4 if ckpt_dtype == "float32" else 2) * 2
 
 
 def _say(text: str) -> None:
@@ -238,7 +251,8 @@ def print_results(results: list[dict[str, Any]]) -> None:
                        "outputs_equal"])
     print()
     print_table([[r["shape"], r["checkpoint_dtype"], f"{r['checkpoint_bytes'] / GIB:.2f}", f"{r['speedup_warm_vs_library']}x",
-                  f"{r['speedup_warm_vs_library_cold']}x", f"{r['pss4_library_x_model']}x",
+                  f"{r['speedup_warm_vs_library_cold']}x",
+                  f"{r['pss4_library_x_model']}x" if r["pss4_library_x_model"] is not None else "skipped",
                   f"{r['pss4_warm_x_model']}x", r["outputs4_equal"]] for r in results],
                 ["size", "checkpoint", "checkpoint GiB", "warm vs library (hot)", "warm vs library (cold cache)", "PSS 4 library / model",
                  "PSS 4 warm / model", "4 outputs equal"])
@@ -267,7 +281,7 @@ def chart(doc: dict[str, Any], path: str) -> str | None:
     ax.legend()
     ax.set_title("FluxTransformer2DModel start")
     for i, res in enumerate(results):
-        bx.bar([i - 0.2, i + 0.2], [res["pss4_library_x_model"], res["pss4_warm_x_model"]], 0.4,
+        bx.bar([i - 0.2, i + 0.2], [res["pss4_library_x_model"] or 0.0, res["pss4_warm_x_model"]], 0.4,
                color=["tab:gray", "tab:green"])
     bx.set_xticks(range(len(results)))
     bx.set_xticklabels([f"{r['shape']}\n{r['checkpoint_dtype']} ckpt" for r in results])
@@ -284,7 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="hwr-bench-real-")
     os.makedirs(workdir, exist_ok=True)
-    shapes = ["1GiB"] + (["4GiB"] if args.big else [])
+    shapes = args.sizes or (["1GiB"] + (["4GiB"] if args.big else []))
     try:
         args.socket = None
         with daemon_for(args, workdir) as socket:
@@ -314,6 +328,7 @@ def _version(name: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--big", action="store_true", help="also run the ~4 GiB model")
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SHAPES), help="model sizes (overrides --big)")
     parser.add_argument("--checkpoint-dtypes", nargs="+", default=["bfloat16", "float32"],
                         help="dtypes the checkpoint is saved in (the runtime is bf16 either way)")
     parser.add_argument("--dlo", action="store_true", help="add a warm row streaming blocks with DLO on the CPU")

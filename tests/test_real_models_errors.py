@@ -153,3 +153,16 @@ def test_model_class_overrides_the_config_and_must_have_from_config(good):
         assert type(loaded.model) is BertModel and loaded.report.contract == "transformers:BertModel"
     with pytest.raises(InvalidArgument, match="expected a class with from_config"):
         dlo_runtime.from_pretrained(good["bert"], model_class=object, mode="disabled")
+
+
+def test_block_groups_with_an_explicit_prefix():
+    from hwr_client.tensors import build_plan
+    from tests.conftest import identity
+
+    names = ["enc.block.0.layer.0.w", "enc.block.0.layer.1.w"]
+    tensors = {n: torch.zeros(2) for n in names + ["head.w"]}
+    # The names' common prefix is the layer list, not the block the backend streams.
+    assert build_plan(identity(t="a"), tensors, blocks=[names]).blocks[0].prefix == "enc.block.0.layer."
+    assert build_plan(identity(t="a"), tensors, blocks=[("enc.block.0.", names)]).blocks[0].prefix == "enc.block.0."
+    with pytest.raises(InvalidArgument, match="must end in '.' and prefix every tensor"):
+        build_plan(identity(t="a"), tensors, blocks=[("enc.block.1.", names)])
