@@ -31,6 +31,7 @@ and is not run here.
 
     python bench/real_models.py            # ~1 GiB
     python bench/real_models.py --big      # ~4 GiB as well (needs ~24 GiB RAM)
+    python bench/real_models.py --quick    # a tiny model, 2 workers: what the test runs
 
 Prints a table, writes JSON (default bench/results/real_models.json) and a
 PNG beside it when matplotlib is installed.
@@ -65,6 +66,10 @@ SHAPES = {
     "1GiB": dict(patch_size=1, in_channels=64, num_layers=3, num_single_layers=7, attention_head_dim=128,
                  num_attention_heads=12, joint_attention_dim=4096, pooled_projection_dim=768,
                  axes_dims_rope=[16, 56, 56]),
+    # What the test runs (tests/test_real_models_bench.py): the script end to end.
+    "quick": dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=32,
+                  num_attention_heads=2, joint_attention_dim=128, pooled_projection_dim=64,
+                  axes_dims_rope=[8, 12, 12]),
     "4GiB": dict(patch_size=1, in_channels=64, num_layers=3, num_single_layers=8, attention_head_dim=128,
                  num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
                  axes_dims_rope=[16, 56, 56]),
@@ -202,9 +207,10 @@ def measure(args: argparse.Namespace, workdir: str, socket: str, shape: str, ckp
         # A same-dtype checkpoint is mapped, not copied, by the library: 4
         # workers share it. Otherwise each holds a private model.
         private = ckpt_dtype != "bfloat16"
-        lib4 = (w.group(ckpt, "disabled", None, 4)
-                if not private or 4 * lib_cold_model_bytes(nbytes, ckpt_dtype) <= LIBRARY4_BUDGET else None)
-        warm4 = w.group(ckpt, "preferred", socket, 4)
+        n = args.concurrent
+        lib4 = (w.group(ckpt, "disabled", None, n)
+                if not private or n * lib_cold_model_bytes(nbytes, ckpt_dtype) <= LIBRARY4_BUDGET else None)
+        warm4 = w.group(ckpt, "preferred", socket, n)
     finally:
         w.kill_all()
     ref = lib["output_sha256"]
@@ -215,7 +221,7 @@ def measure(args: argparse.Namespace, workdir: str, socket: str, shape: str, ckp
         r["outputs_equal"] = r["output_sha256"] == ref
     model_kib = cold["bytes_materialized"] // 1024  # the runtime (bf16) model
     return {
-        "shape": shape, "checkpoint_dtype": ckpt_dtype, "config": SHAPES[shape], "checkpoint_bytes": nbytes,
+        "shape": shape, "checkpoint_dtype": ckpt_dtype, "concurrent": args.concurrent, "config": SHAPES[shape], "checkpoint_bytes": nbytes,
         "model_bytes": cold["bytes_materialized"], "shards": len(shards),
         "rows": rows,
         "pss4_library_kib": _sum_pss(lib4, baseline_kib) if lib4 else None,
@@ -250,12 +256,13 @@ def print_results(results: list[dict[str, Any]]) -> None:
     print_table(rows, ["size", "checkpoint", "path", "outcome", "startup_s", "first_output_s", "publish_s", "materialized_GiB", "producer_calls",
                        "outputs_equal"])
     print()
+    n = results[0]["concurrent"]
     print_table([[r["shape"], r["checkpoint_dtype"], f"{r['checkpoint_bytes'] / GIB:.2f}", f"{r['speedup_warm_vs_library']}x",
                   f"{r['speedup_warm_vs_library_cold']}x",
                   f"{r['pss4_library_x_model']}x" if r["pss4_library_x_model"] is not None else "skipped",
                   f"{r['pss4_warm_x_model']}x", r["outputs4_equal"]] for r in results],
-                ["size", "checkpoint", "checkpoint GiB", "warm vs library (hot)", "warm vs library (cold cache)", "PSS 4 library / model",
-                 "PSS 4 warm / model", "4 outputs equal"])
+                ["size", "checkpoint", "checkpoint GiB", "warm vs library (hot)", "warm vs library (cold cache)",
+                 f"PSS {n} library / model", f"PSS {n} warm / model", f"{n} outputs equal"])
 
 
 def chart(doc: dict[str, Any], path: str) -> str | None:
@@ -328,6 +335,8 @@ def _version(name: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--big", action="store_true", help="also run the ~4 GiB model")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, fp32 checkpoint, 2 workers at once")
+    parser.add_argument("--concurrent", type=int, default=4, help="workers started at once (default 4)")
     parser.add_argument("--sizes", nargs="+", choices=sorted(SHAPES), help="model sizes (overrides --big)")
     parser.add_argument("--checkpoint-dtypes", nargs="+", default=["bfloat16", "float32"],
                         help="dtypes the checkpoint is saved in (the runtime is bf16 either way)")
@@ -344,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.quick:
+        args.sizes, args.checkpoint_dtypes, args.concurrent = ["quick"], ["float32"], 2
     doc = run(args)
     print_results(doc["results"])
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
