@@ -23,7 +23,7 @@ from dlo_runtime.restore import tensor_slots
 AUTO_BLOCK_MIN_SHARE = 0.10
 
 
-_PATCH_LOCK = threading.Lock()
+_PATCH_LOCK = threading.RLock()  # re-entrant: a constructor may build a nested skeleton
 
 
 @contextlib.contextmanager
