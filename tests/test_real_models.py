@@ -149,6 +149,10 @@ def test_identity_follows_shards_config_dtype_and_fusion(saved, tmp_path):
     assert key(base_dir) == base
     assert key(base_dir, dtype="float16") != base
     assert key(base_dir, fuse_qkv=True) != base
+    # Explicit blocks lay the artifact out differently: a worker and a prewarm
+    # that disagree on them must not share an artifact.
+    assert key(base_dir, blocks=["transformer_blocks"]) != base
+    assert key(base_dir, blocks="auto") == base
     shard = tmp_path / "shard"
     shutil.copytree(base_dir, shard)
     from safetensors.torch import load_file, save_file

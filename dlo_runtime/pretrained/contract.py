@@ -64,8 +64,14 @@ class PretrainedContract(Contract):
         return sorted(self.files.weights) + [self.files.config_path]
 
     def extra(self) -> dict[str, Any]:
-        """``fuse_qkv`` changes bytes, so it is part of the key."""
-        return {"fuse_qkv": True} if self.fuse_qkv else {}
+        """``fuse_qkv`` changes bytes; explicit ``blocks`` change the
+        artifact's block layout (what the backend streams as one range), so
+        both are part of the key. ``"auto"`` adds nothing."""
+        out: dict[str, Any] = {"fuse_qkv": True} if self.fuse_qkv else {}
+        if self.block_names != "auto":
+            names = [self.block_names] if isinstance(self.block_names, str) else list(self.block_names)
+            out["blocks"] = names
+        return out
 
     # -- skeleton -----------------------------------------------------------------
 
