@@ -13,6 +13,9 @@
 - :func:`offload_group` / :func:`validate_wave` — DLO's weight-sharding
   group (AllGather over DP or SP, or rank-local) and the wave rules of
   AllGather DP waves.
+- :func:`from_pretrained` — a diffusers / transformers model directory
+  through HWR and DLO with one call (:mod:`dlo_runtime.pretrained`; the
+  libraries are imported only when it runs).
 """
 
 from dlo_runtime.allgather import ALLGATHER, BlockSequenceMismatch, CollectiveFailed
@@ -22,6 +25,7 @@ from dlo_runtime.checkpoint import CheckpointReader, iter_checkpoint
 from dlo_runtime.cuda_host import CudaRegistrar, HostCapability, NullRegistrar, Registrar
 from dlo_runtime.groups import GroupChoice, offload_group, validate_wave
 from dlo_runtime.options import OffloadOptions
+from dlo_runtime.pretrained import LoadedModel, from_pretrained
 from dlo_runtime.restore import RestorePlan, RestoreResult, commit_restore, finalize_shared, plan_restore, restore_model
 from dlo_runtime.transaction import ModelRecipe, Stage, StartupResult, StartupTransaction, discard_model
 from dlo_runtime.transports import (
@@ -36,6 +40,7 @@ __all__ = [
     "ModelRecipe", "NullRegistrar", "ORDINARY", "OffloadBackend", "OffloadOptions", "OffloadStats", "Outcome",
     "REGISTERED", "Registrar", "RegistrationAborted", "RestorePlan", "RestoreResult", "STAGING", "Stage",
     "StartupResult", "StartupTransaction", "TransportChoice", "UNIFIED", "UnregisterFailed", "commit_restore",
-    "discard_model", "enable_layerwise_offload", "finalize_shared", "iter_checkpoint", "load_canonical_into",
+    "discard_model", "enable_layerwise_offload", "finalize_shared", "from_pretrained", "iter_checkpoint",
+    "load_canonical_into", "LoadedModel",
     "plan_restore", "restore_model", "retained",
 ]

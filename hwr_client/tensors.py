@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import mmap as _mmap
 import os
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -87,6 +87,10 @@ def build_plan(
         identity: Identity, its dict document or its JSON text.
         tensors: name -> CPU tensor.
         blocks: name groups in execution order; None derives them from names.
+            A group may be a ``(prefix, names)`` pair: the module prefix of
+            the block (``encoder.block.0.``), for a block whose tensors all
+            sit deeper than it (T5's ``block.0.layer.*``), where the names'
+            common prefix would not be the module the DLO backend streams.
         ordered: whether the payload will be sent strictly sequentially.
         file_target_bytes: split block files at about this size.
 
@@ -96,9 +100,7 @@ def build_plan(
     identity = Identity.coerce(identity)
     if not tensors:
         raise InvalidArgument("publication: expected at least one tensor, got none")
-    groups = (
-        [(_common_prefix(g), list(g)) for g in blocks] if blocks is not None else derive_blocks(list(tensors))
-    )
+    groups = [_group(g) for g in blocks] if blocks is not None else derive_blocks(list(tensors))
     in_block = {n for _, g in groups for n in g}
     unknown = in_block - set(tensors)
     if unknown:
@@ -119,6 +121,19 @@ def build_plan(
         files.append(FileSpec(f"blocks-{len(files):03d}.safetensors", tuple(current)))
     block_specs = tuple(BlockSpec(i, prefix, tuple(g)) for i, (prefix, g) in enumerate(groups))
     return PlanSpec(identity, tuple(files), block_specs, ordered)
+
+
+def _group(group: Any) -> tuple[str, list[str]]:
+    """``(prefix, names)`` of a block group: an explicit pair, or a name list
+    whose common prefix is the block's."""
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], str) and not isinstance(group[1], str):
+        prefix, names = group[0], list(group[1])
+        bad = [n for n in names if not n.startswith(prefix)]
+        if not names or bad or (prefix and not prefix.endswith(".")):
+            raise InvalidArgument(f"publication: block prefix {prefix!r} must end in '.' and prefix every tensor of "
+                                  f"its group, got {bad[:3] or 'no tensors'}")
+        return prefix, names
+    return _common_prefix(group), list(group)
 
 
 def _common_prefix(names: Sequence[str]) -> str:

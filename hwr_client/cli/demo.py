@@ -17,7 +17,8 @@ non-zero when any check fails.
 
 ``hwr prewarm --contract NAME --checkpoint DIR`` produces and publishes the
 final-layout artifact without starting a worker, so ``required`` mode starts
-warm on a fresh node.
+warm on a fresh node; ``hwr prewarm --model DIR`` does the same for a
+diffusers / transformers model directory (:mod:`hwr_client.cli.pretrained`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ import time
 from typing import Any
 
 from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
+from hwr_client.cli.pretrained import add_model_flags, prewarm_model
 from hwr_client.cli.pss import baseline_pss_kib
 from hwr_client.cli.workers import WorkerProcesses, daemon_for
 from hwr_client.core.defaults import human, parse_size
-from hwr_client.core.errors import NotFound
+from hwr_client.core.errors import InvalidArgument, NotFound
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,8 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo.set_defaults(func=run_demo)
 
     pre = sub.add_parser("prewarm", help="publish a checkpoint's final-layout artifact without starting a worker")
-    pre.add_argument("--contract", required=True, help="final-layout contract name (e.g. tiny-dit)")
-    pre.add_argument("--checkpoint", required=True, help="canonical checkpoint directory")
+    pre.add_argument("--contract", help="final-layout contract name (e.g. tiny-dit); or --model")
+    pre.add_argument("--checkpoint", help="canonical checkpoint directory (with --contract)")
+    add_model_flags(pre)
     pre.add_argument("--layout", help="parallel layout, e.g. tp_rank=0,tp_size=2,sp_size=1,sp_backend=none")
     add_socket_flags(pre)
     add_json_flag(pre)
@@ -63,13 +66,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_prewarm(args: argparse.Namespace) -> int:
-    """Publishes the artifact of ``--checkpoint`` under ``--contract``."""
+    """Publishes the artifact of ``--checkpoint`` under ``--contract``, or
+    of a diffusers / transformers ``--model`` directory."""
+    if bool(args.model) == bool(args.contract) or bool(args.contract) != bool(args.checkpoint):
+        raise InvalidArgument("hwr prewarm: give --contract NAME --checkpoint DIR, or --model DIR")
+    result: dict[str, Any]
+    if args.model:
+        result = prewarm_model(args)
+        if args.json:
+            print_json(result)
+        else:
+            print(f"{result['outcome']}: {result['key']} {result['contract']} "
+                  f"({human(result['bytes'])}, {result['seconds']} s)")
+        return 0
     # The runtime imports torch: only this command pays for it, the parser
     # (and `hwr serve`) stays light.
     from dlo_runtime.contracts import get_contract
 
     contract = get_contract(args.contract)
-    result: dict[str, Any]
     with client_from(args) as client:
         identity = contract.identity(args.checkpoint, args.layout, client=client)
         try:

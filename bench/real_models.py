@@ -1,0 +1,369 @@
+"""A FLUX-shaped diffusers transformer through HWR: the library's own
+``from_pretrained`` vs HWR cold vs HWR warm, in one run, real processes.
+
+The model is the real ``diffusers.FluxTransformer2DModel`` class with a
+FLUX-like shape (head dim 128, joint attention dim 4096, two block stacks)
+scaled down in depth and width to about 1 GiB of bf16 weights (``--big``:
+about 4 GiB), random weights saved with ``save_pretrained`` in shards, once
+as a bf16 checkpoint (how FLUX ships) and once as fp32 (how many fine-tunes
+and other families ship); the runtime is bf16 either way. Each
+row is a separate worker process (``python bench/real_models.py --worker``)
+that imports its stack before its clock starts, then:
+
+- ``library``: ``FluxTransformer2DModel.from_pretrained(dir, torch_dtype=bf16)``
+  (``dlo_runtime.from_pretrained(mode="disabled")`` is exactly that call):
+  what users do today; page cache hot, and cold (the checkpoint's files
+  evicted with fadvise, as ``bench/startup.py`` does);
+- ``hwr cold``: ``dlo_runtime.from_pretrained`` on an empty store: canonical
+  load, then publish-after-load (``publish_s``);
+- ``hwr warm``: the same call again: LOCAL_HIT, restored from the lease;
+- 4 workers at once, library and warm: the sum of their PSS above the PSS of
+  a process that imported the same stack and holds no model.
+
+Every worker runs one forward pass on fixed inputs; ``outputs_equal`` says
+whether its output is bitwise the library row's, and ``first_output_s``
+(startup + that forward) is reported beside ``startup_s``: a load that maps
+the checkpoint lazily (diffusers with a same-dtype safetensors checkpoint)
+pays its reads in the first forward instead. On a CPU-only node the model
+stays resident (``device=None``); the DLO row (``--dlo``) streams blocks
+through the CPU backend. diffusers' ``enable_group_offload`` peer needs CUDA
+and is not run here.
+
+    python bench/real_models.py            # ~1 GiB
+    python bench/real_models.py --big      # ~4 GiB as well (needs ~24 GiB RAM)
+    python bench/real_models.py --quick    # a tiny model, 2 workers: what the test runs
+
+Prints a table, writes JSON (default bench/results/real_models.json) and a
+PNG beside it when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+GIB = 1 << 30
+#: 4 concurrent library workers are skipped above this much private memory
+#: (4 x the runtime model), as bench/startup.py does for its ordinary workers.
+LIBRARY4_BUDGET = 6 * GIB
+
+#: name -> FluxTransformer2DModel config (FLUX.1: 19 + 38 blocks of width 3072).
+SHAPES = {
+    "1GiB": dict(patch_size=1, in_channels=64, num_layers=3, num_single_layers=7, attention_head_dim=128,
+                 num_attention_heads=12, joint_attention_dim=4096, pooled_projection_dim=768,
+                 axes_dims_rope=[16, 56, 56]),
+    # What the test runs (tests/test_real_models_bench.py): the script end to end.
+    "quick": dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=32,
+                  num_attention_heads=2, joint_attention_dim=128, pooled_projection_dim=64,
+                  axes_dims_rope=[8, 12, 12]),
+    "4GiB": dict(patch_size=1, in_channels=64, num_layers=3, num_single_layers=8, attention_head_dim=128,
+                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                 axes_dims_rope=[16, 56, 56]),
+}
+
+
+# -- the worker process ----------------------------------------------------------------
+
+
+def _inputs(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    img, txt = 16, 8  # a short sequence: the forward proves parity, it is not the benchmark
+    return {"hidden_states": torch.randn(1, img, cfg["in_channels"], generator=g).to(torch.bfloat16),
+            "encoder_hidden_states": torch.randn(1, txt, cfg["joint_attention_dim"], generator=g).to(torch.bfloat16),
+            "pooled_projections": torch.randn(1, cfg["pooled_projection_dim"], generator=g).to(torch.bfloat16),
+            "timestep": torch.tensor([0.5], dtype=torch.bfloat16),
+            "img_ids": torch.randint(0, 8, (img, 3), generator=g).float(), "txt_ids": torch.zeros(txt, 3)}
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One start; prints one JSON line; holds until stdin closes."""
+    import torch
+    # Imported before the clock, as a serving process has them: diffusers
+    # imports a model class lazily on first attribute access (~2 s here).
+    from diffusers import FluxTransformer2DModel  # noqa: F401
+
+    import dlo_runtime
+    import hwr_client.session  # noqa: F401
+    from dlo_runtime.worker import pss_kib
+
+    result: dict[str, Any] = {"pid": os.getpid(), "mode": args.mode}
+    if args.mode == "baseline":
+        result["pss_kib"] = pss_kib()
+        print(json.dumps(result), flush=True)
+        sys.stdin.read()
+        return 0
+    t0 = time.perf_counter()
+    loaded = dlo_runtime.from_pretrained(args.model, mode=args.mode, socket=args.socket, progress=False,
+                                         device=args.device)
+    result["startup_s"] = round(time.perf_counter() - t0, 4)
+    rep = loaded.report
+    result.update(outcome=str(loaded.outcome), bytes_materialized=rep.bytes_materialized,
+                  producer_calls=rep.producer_calls, publish_s=(rep.seconds.get("publish", 0.0)),
+                  load_s=round(rep.seconds["total"] - rep.seconds.get("publish", 0.0), 4), seconds=rep.seconds)
+    with open(os.path.join(args.model, "config.json")) as f:
+        cfg = json.load(f)
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        out = loaded.model(**_inputs(cfg)).sample
+    result["forward_s"] = round(time.perf_counter() - t1, 4)
+    result["output_sha256"] = hashlib.sha256(out.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    print(json.dumps(result), flush=True)
+    try:
+        sys.stdin.read()  # the parent reads every worker's PSS, then closes stdin
+    finally:
+        loaded.close()
+    return 0
+
+
+# -- the parent -------------------------------------------------------------------------
+
+
+def _workers() -> Any:
+    from hwr_client.cli.workers import WorkerProcesses
+
+    class Workers(WorkerProcesses):
+        """WorkerProcesses running this script's worker instead of the tiny-dit one."""
+
+        def spawn(self, checkpoint: str, mode: str, socket: str | None, *, device: str | None = None,
+                  **_: Any) -> Any:
+            import subprocess
+
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode, "--model", checkpoint]
+            if socket:
+                cmd += ["--socket", socket]
+            if device:
+                cmd += ["--device", device]
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            proc.t0 = time.perf_counter()  # type: ignore[attr-defined]
+            self.procs.append(proc)
+            return proc
+
+    return Workers()
+
+
+def build_checkpoint(workdir: str, shape: str, dtype: str) -> str:
+    """The FLUX-shaped model with random weights (drawn in bf16), saved in
+    shards as ``dtype`` (reused when already there)."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    path = os.path.join(workdir, f"flux-{shape}-{dtype}")
+    if os.path.isfile(os.path.join(path, "diffusion_pytorch_model.safetensors.index.json")):
+        return path
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 directly: half the memory, as FLUX ships
+    try:
+        model = FluxTransformer2DModel(**SHAPES[shape])
+    finally:
+        torch.set_default_dtype(old)
+    model.to(getattr(torch, dtype)).save_pretrained(path, max_shard_size="256MB")
+    del model
+    return path
+
+
+def _sum_pss(rows: list[dict[str, Any]], baseline_kib: int) -> int:
+    return sum(r["pss_kib"] - baseline_kib for r in rows)
+
+
+def measure(args: argparse.Namespace, workdir: str, socket: str, shape: str, ckpt_dtype: str,
+            baseline_kib: int) -> dict[str, Any]:
+    from startup import evict_from_page_cache, mincore_fraction, read_into_page_cache
+
+    from dlo_runtime.pretrained import model_files
+
+    ckpt = build_checkpoint(workdir, shape, ckpt_dtype)
+    shards = list(model_files(ckpt).weights)
+    nbytes = sum(os.path.getsize(p) for p in shards)
+    _say(f"{shape}, {ckpt_dtype} checkpoint: {nbytes / GIB:.2f} GiB in {len(shards)} shards")
+    w = _workers()
+    try:
+        read_into_page_cache(shards)
+        lib = w.group(ckpt, "disabled", None, 1)[0]
+        evict_from_page_cache(shards)
+        residency = mincore_fraction(shards)
+        lib_cold = w.group(ckpt, "disabled", None, 1)[0]
+        lib_cold["residency_before"] = round(residency, 4)
+        read_into_page_cache(shards)
+        cold = w.group(ckpt, "preferred", socket, 1)[0]
+        warm = w.group(ckpt, "preferred", socket, 1)[0]
+        dlo = w.group(ckpt, "preferred", socket, 1, device="cpu")[0] if args.dlo else None
+        # A same-dtype checkpoint is mapped, not copied, by the library: 4
+        # workers share it. Otherwise each holds a private model.
+        private = ckpt_dtype != "bfloat16"
+        n = args.concurrent
+        lib4 = (w.group(ckpt, "disabled", None, n)
+                if not private or n * lib_cold_model_bytes(nbytes, ckpt_dtype) <= LIBRARY4_BUDGET else None)
+        warm4 = w.group(ckpt, "preferred", socket, n)
+    finally:
+        w.kill_all()
+    ref = lib["output_sha256"]
+    rows = {"library": lib, "library (cold page cache)": lib_cold, "hwr cold": cold, "hwr warm": warm}
+    if dlo is not None:
+        rows["hwr warm + DLO (cpu)"] = dlo
+    for r in rows.values():
+        r["outputs_equal"] = r["output_sha256"] == ref
+    model_kib = cold["bytes_materialized"] // 1024  # the runtime (bf16) model
+    return {
+        "shape": shape, "checkpoint_dtype": ckpt_dtype, "concurrent": args.concurrent, "config": SHAPES[shape], "checkpoint_bytes": nbytes,
+        "model_bytes": cold["bytes_materialized"], "shards": len(shards),
+        "rows": rows,
+        "pss4_library_kib": _sum_pss(lib4, baseline_kib) if lib4 else None,
+        "pss4_warm_kib": _sum_pss(warm4, baseline_kib),
+        "pss4_library_x_model": round(_sum_pss(lib4, baseline_kib) / model_kib, 3) if lib4 else None,
+        "pss4_warm_x_model": round(_sum_pss(warm4, baseline_kib) / model_kib, 3),
+        "outputs4_equal": all(r["output_sha256"] == ref for r in (lib4 or []) + warm4),
+        "warm4_outcomes": sorted({r["outcome"] for r in warm4}),
+        "speedup_warm_vs_library": round(lib["startup_s"] / warm["startup_s"], 2),
+        "speedup_warm_vs_library_cold": round(lib_cold["startup_s"] / warm["startup_s"], 2),
+    }
+
+
+def lib_cold_model_bytes(checkpoint_bytes: int, ckpt_dtype: str) -> int:
+    """The bf16 runtime model's size from its checkpoint's."""
+    return checkpoint_bytes // (4 if ckpt_dtype == "float32" else 2) * 2
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def print_results(results: list[dict[str, Any]]) -> None:
+    from hwr_client.cli.common import print_table
+
+    rows = []
+    for res in results:
+        for name, r in res["rows"].items():
+            rows.append([res["shape"], res["checkpoint_dtype"], name, r["outcome"], f"{r['startup_s']:.3f}",
+                         f"{r['startup_s'] + r['forward_s']:.3f}", f"{r.get('publish_s', 0):.3f}",
+                         f"{r['bytes_materialized'] / GIB:.2f}", r["producer_calls"], r["outputs_equal"]])
+    print_table(rows, ["size", "checkpoint", "path", "outcome", "startup_s", "first_output_s", "publish_s", "materialized_GiB", "producer_calls",
+                       "outputs_equal"])
+    print()
+    n = results[0]["concurrent"]
+    print_table([[r["shape"], r["checkpoint_dtype"], f"{r['checkpoint_bytes'] / GIB:.2f}", f"{r['speedup_warm_vs_library']}x",
+                  f"{r['speedup_warm_vs_library_cold']}x",
+                  f"{r['pss4_library_x_model']}x" if r["pss4_library_x_model"] is not None else "skipped",
+                  f"{r['pss4_warm_x_model']}x", r["outputs4_equal"]] for r in results],
+                ["size", "checkpoint", "checkpoint GiB", "warm vs library (hot)", "warm vs library (cold cache)",
+                 f"PSS {n} library / model", f"PSS {n} warm / model", f"{n} outputs equal"])
+
+
+def chart(doc: dict[str, Any], path: str) -> str | None:
+    """Startup seconds per path and size (PNG); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    results = doc["results"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    paths = list(results[0]["rows"])
+    width = 0.8 / len(results)
+    for i, res in enumerate(results):
+        ax.bar([j + i * width for j in range(len(paths))], [res["rows"][p]["startup_s"] for p in paths], width,
+               label=f"{res['shape']} {res['checkpoint_dtype']} ckpt")
+    ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(paths))])
+    ax.set_xticklabels(paths, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("startup seconds")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title("FluxTransformer2DModel start")
+    for i, res in enumerate(results):
+        bx.bar([i - 0.2, i + 0.2], [res["pss4_library_x_model"] or 0.0, res["pss4_warm_x_model"]], 0.4,
+               color=["tab:gray", "tab:green"])
+    bx.set_xticks(range(len(results)))
+    bx.set_xticklabels([f"{r['shape']}\n{r['checkpoint_dtype']} ckpt" for r in results])
+    bx.set_ylabel("sum of PSS of 4 workers / model size")
+    bx.set_title("4 workers: library (gray) vs HWR warm (green)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from hwr_client.cli.workers import daemon_for
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="hwr-bench-real-")
+    os.makedirs(workdir, exist_ok=True)
+    shapes = args.sizes or (["1GiB"] + (["4GiB"] if args.big else []))
+    try:
+        args.socket = None
+        with daemon_for(args, workdir) as socket:
+            w = _workers()
+            try:
+                baseline = w.group("", "baseline", None, 1)[0]["pss_kib"]
+            finally:
+                w.kill_all()
+            results = [measure(args, workdir, socket, s, d, baseline) for s in shapes for d in args.checkpoint_dtypes]
+    finally:
+        if not args.workdir and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    import diffusers
+    import torch
+
+    return {"bench": "real_models", "results": results, "baseline_pss_kib": baseline,
+            "env": {"python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
+                    "accelerate": _version("accelerate"), "cpus": os.cpu_count(), "machine": platform.machine()}}
+
+
+def _version(name: str) -> str | None:
+    if importlib.util.find_spec(name) is None:
+        return None
+    return importlib.metadata.version(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--big", action="store_true", help="also run the ~4 GiB model")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, fp32 checkpoint, 2 workers at once")
+    parser.add_argument("--concurrent", type=int, default=4, help="workers started at once (default 4)")
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SHAPES), help="model sizes (overrides --big)")
+    parser.add_argument("--checkpoint-dtypes", nargs="+", default=["bfloat16", "float32"],
+                        help="dtypes the checkpoint is saved in (the runtime is bf16 either way)")
+    parser.add_argument("--dlo", action="store_true", help="add a warm row streaming blocks with DLO on the CPU")
+    parser.add_argument("--workdir", help="checkpoints and store (default: a temp dir, removed)")
+    parser.add_argument("--keep", action="store_true", help="keep the temp workdir")
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "real_models.json"))
+    # worker-process flags
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--socket", help=argparse.SUPPRESS)
+    parser.add_argument("--device", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.sizes, args.checkpoint_dtypes, args.concurrent = ["quick"], ["float32"], 2
+    doc = run(args)
+    print_results(doc["results"])
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2, sort_keys=True)
+    png = chart(doc, os.path.splitext(args.out)[0] + ".png")
+    _say(f"wrote {args.out}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

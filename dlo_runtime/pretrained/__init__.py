@@ -1,0 +1,332 @@
+"""Real models through HWR and DLO with one call: :func:`from_pretrained`.
+
+A diffusers model directory (``config.json`` with ``_class_name``,
+``diffusion_pytorch_model*.safetensors``), a transformers one (``config.json``
+with ``architectures``, ``model*.safetensors``), a pipeline component
+(``subfolder="transformer"``) or a hub cache snapshot becomes a
+:class:`PretrainedContract`: the same :class:`~dlo_runtime.contracts.Contract`
+seam the reference model uses, filled in from the library class instead of
+written by hand. The start then runs the one start-up decision path every
+worker runs: :func:`hwr_client.resolve.resolve` decides (hit / miss / failure
+per mode), :class:`~dlo_runtime.transaction.StartupTransaction` restores or
+loads canonically and hands the lease to the DLO backend, and a preferred
+miss publishes for the next start.
+
+What the contract decides, and why:
+
+- **identity**: every weight shard and ``config.json`` (the config decides the
+  architecture); contract ``<library>:<Class>``; representation = dtype and
+  the library's fp32-kept policy; producer = HWR's, the library's and torch's
+  versions (an upgrade may change load transforms, so it gets a new key);
+  ``fuse_qkv`` in ``extra``.
+- **skeleton**: the model's own constructor under the target default dtype
+  (what both libraries' ``from_pretrained`` do) with parameters put on meta
+  as they are registered and buffers built for real on the CPU (accelerate's
+  ``init_empty_weights(include_buffers=False)`` convention, ~20 lines here
+  instead of a dependency), so non-persistent buffers (rotary tables,
+  position ids) equal the ordinary load's; persistent buffers go to meta and
+  come from the artifact or the checkpoint.
+- **dtype policy**: the library's own: diffusers casts every floating tensor
+  to the dtype except those under a ``_keep_in_fp32_modules`` name
+  component; transformers keeps the constructed dtype except its dtype plan
+  (``_keep_in_fp32_modules`` for fp16, ``_keep_in_fp32_modules_strict``
+  for fp16 and bf16). Outputs then equal the library's ``from_pretrained``
+  bit for bit (the tests prove it).
+- **blocks**: ``"auto"`` finds the outermost ``nn.ModuleList`` stacks of
+  same-class modules holding a tenth or more of the parameters, in
+  registration order (the parity tests prove it is the execution order for
+  the shipped families).
+
+Modules: :mod:`~dlo_runtime.pretrained.files` (what a directory holds, the
+class it names), :mod:`~dlo_runtime.pretrained.skeleton` (meta parameters,
+real buffers, blocks), :mod:`~dlo_runtime.pretrained.contract` (the
+contract); this one holds the call.
+
+Example::
+
+    with dlo_runtime.from_pretrained("models/flux/transformer", device="cuda:0") as loaded:
+        out = loaded.model(**inputs)          # LOCAL_HIT from the second start on
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from hwr_client.core.errors import InvalidArgument
+from hwr_client.resolve import Mode, Outcome, parse_mode
+
+from dlo_runtime.contracts import private_bytes
+from dlo_runtime.pretrained.contract import PretrainedContract
+from dlo_runtime.pretrained.files import ModelFiles, import_library, model_files, resolve_class
+from dlo_runtime.pretrained.skeleton import (check_loaded, dtype_of, find_blocks, nparams, parameters_on_meta,
+                                              publish_groups)
+from dlo_runtime.restore import tensor_slots
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PretrainedReport:
+    """What a :func:`from_pretrained` start did and cost.
+
+    Attributes:
+        outcome: ``LOCAL_HIT``, ``CANONICAL_FALLBACK`` or ``DISABLED``.
+        key: identity key ("" when disabled).
+        contract: ``<library>:<Class>``; ``library_version`` its version.
+        seconds: wall seconds per phase, and ``total``.
+        bytes_materialized: private bytes this process allocated for the
+            model's tensors (0 on a warm start).
+        producer_calls: canonical loads run (0 on a warm start).
+        blocks: names of the streamed blocks, in order; ``streamed_bytes``
+            their bytes; ``streamed_fraction`` their share of the parameters.
+        notes: anything worth a look (streamed blocks under half the model).
+        publish: the publish-after-load report on a preferred miss.
+        trail: the startup transaction's steps.
+    """
+
+    outcome: str
+    key: str = ""
+    contract: str = ""
+    library_version: str = ""
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    bytes_materialized: int = 0
+    producer_calls: int = 0
+    checkpoint_bytes_read: int = 0
+    blocks: list[str] = dataclasses.field(default_factory=list)
+    streamed_bytes: int = 0
+    streamed_fraction: float = 0.0
+    notes: list[str] = dataclasses.field(default_factory=list)
+    publish: dict[str, Any] | None = None
+    trail: list[str] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready values."""
+        return dataclasses.asdict(self)
+
+
+class LoadedModel:
+    """A model :func:`from_pretrained` started: ``model`` (eval mode, DLO
+    hooks when a device was given), ``outcome``, ``key``, ``report``.
+    :meth:`close` (or leaving the ``with`` block) tears down the backend,
+    which closes the lease, then the client."""
+
+    def __init__(self, model: nn.Module, report: PretrainedReport, *, backend: Any = None, client: Any = None,
+                 contract: PretrainedContract | None = None):
+        self.model, self.report = model, report
+        self.backend, self.client, self.contract = backend, client, contract
+
+    @property
+    def outcome(self) -> Outcome:
+        """How the start went (:class:`~hwr_client.resolve.Outcome`)."""
+        return Outcome(self.report.outcome)
+
+    @property
+    def key(self) -> str:
+        """The identity key ("" when HWR was disabled)."""
+        return self.report.key
+
+    @property
+    def lease(self) -> Any:
+        """The lease the backend owns on a warm start, else None."""
+        return getattr(self.backend, "lease", None)
+
+    def close(self) -> None:
+        """Backend (drain, unhook, close the lease), then the client. Idempotent."""
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.close()
+        client, self.client = self.client, None
+        if client is not None:
+            client.close()
+
+    def __enter__(self) -> "LoadedModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _library_load(files: ModelFiles, cls: Any, dtype: torch.dtype) -> nn.Module:
+    """The library's own ``from_pretrained`` (what ``mode="disabled"`` is)."""
+    key = "torch_dtype" if files.library == "diffusers" else "dtype"
+    return cls.from_pretrained(files.directory, **{key: dtype}, local_files_only=True)
+
+
+def _block_report(model: nn.Module, blocks: Sequence[nn.Module], report: PretrainedReport) -> None:
+    names = {id(m): n for n, m in model.named_modules()}
+    report.blocks = [names[id(b)] for b in blocks]
+    streamed = sum(s.tensor.nbytes for b in blocks for s in tensor_slots(b).slots)
+    params = sum(p.numel() for b in blocks for p in b.parameters())
+    report.streamed_bytes = streamed
+    report.streamed_fraction = round(params / max(nparams(model), 1), 4)
+    if report.streamed_fraction < 0.5:
+        report.notes.append(f"streamed blocks hold {report.streamed_fraction:.0%} of the parameters (under half): "
+                            "pass blocks=[...] to stream more")
+
+
+def _progress_printer(what: str) -> Callable[[int, int], None]:
+    last = [-1]
+
+    def show(done: int, total: int) -> None:
+        step = 100 * done // max(total, 1) // 25 * 25
+        if step > last[0]:
+            last[0] = step
+            print(f"{what} {step:3d}%  ({done >> 20} / {total >> 20} MiB)", file=sys.stderr, flush=True)
+
+    return show
+
+
+def from_pretrained(
+    model_dir: str | os.PathLike[str],
+    *,
+    subfolder: str | None = None,
+    model_class: Any = None,
+    mode: Mode | str = "preferred",
+    dtype: str = "bfloat16",
+    device: str | torch.device | None = None,
+    blocks: str | Sequence[str] = "auto",
+    resident_blocks: int = 0,
+    fuse_qkv: bool = False,
+    socket: str | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Loads a diffusers / transformers model through HWR (and DLO).
+
+    Args:
+        model_dir: a model directory, a pipeline directory with
+            ``subfolder``, or a hub cache snapshot. Never the network.
+        subfolder: the component (``"transformer"``).
+        model_class: default: the config's class in the installed library.
+        mode: ``"preferred"`` (miss: load, serve, publish), ``"required"``
+            (miss: raise, saying how to populate the store), ``"disabled"``
+            (the library's own ``from_pretrained``; no socket, no hashing).
+        dtype: runtime dtype; the library's fp32-kept modules stay fp32.
+        device: DLO compute device (``"cuda:0"``, ``"cpu"``); None keeps the
+            model resident on the CPU (no hooks).
+        blocks: ``"auto"`` or module names (:func:`find_blocks`).
+        resident_blocks: leading blocks kept on the device.
+        fuse_qkv: the library's ``fuse_qkv_projections()`` as a final
+            layout (its own key).
+        socket: daemon runtime socket (default: the client's).
+        progress: print publication progress to stderr.
+
+    Returns:
+        The :class:`LoadedModel`; close it (or use ``with``).
+
+    Raises:
+        NotFound, InvalidArgument: a bad directory, class or argument.
+        FailedPrecondition: a checkpoint that does not fit the class, a
+            missing library (naming the extra), a required miss.
+        HwrError: a FAILED resolution.
+    """
+    t0 = time.perf_counter()
+    mode = parse_mode(mode)
+    files = model_files(os.fspath(model_dir), subfolder)
+    cls = resolve_class(files, model_class)
+    target = dtype_of(dtype)
+    seconds: dict[str, float] = {}
+    if mode is Mode.DISABLED:
+        return _disabled(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0)
+    from dlo_runtime.options import OffloadOptions
+    from dlo_runtime.transaction import ModelRecipe, StartupTransaction
+
+    import hwr_client
+
+    contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
+    seconds["skeleton"] = round(time.perf_counter() - t0, 6)
+    nblocks = contract.block_count()
+    if device is None:
+        # Resident: the backend keeps every block on the CPU and streams none,
+        # but still owns (and closes) the lease on a warm start.
+        options = OffloadOptions(device="cpu", resident_blocks=nblocks)
+    else:
+        options = OffloadOptions(device=device, resident_blocks=resident_blocks)
+    if nblocks == 0:
+        raise InvalidArgument(f"{contract.name}: no blocks found to stream; pass blocks=[...] module names")
+    client = hwr_client.connect(socket)
+    pending: list[bool] = []
+    try:
+        t = time.perf_counter()
+        identity = contract.identity(files.directory, client=client)
+        seconds["identity"] = round(time.perf_counter() - t, 6)
+        recipe = ModelRecipe(
+            build_skeleton=contract.build_skeleton,
+            load_canonical=lambda skel, copts: contract.canonical_load(skel, mmap=copts.checkpoint_mmap),
+            select_blocks=contract.blocks,
+            finalize=contract.finalize,
+            publish_after_load=lambda m: pending.append(True),
+        )
+        t = time.perf_counter()
+        result = StartupTransaction(mode, recipe, lambda: client.resolve(identity, mode=mode), options).run()
+        seconds["start"] = round(time.perf_counter() - t, 6)
+    except BaseException:
+        client.close()
+        raise
+    model, backend = result.model, result.backend
+    report = PretrainedReport(result.outcome.value, identity.key, contract.name, contract.library_version,
+                              trail=[f"{s.what}: {s.note}" if s.note else s.what for s in result.trail])
+    report.producer_calls = contract.counters.producer_calls
+    report.checkpoint_bytes_read = contract.counters.checkpoint_bytes_read
+    report.bytes_materialized = contract.counters.bytes_materialized
+    if result.outcome is Outcome.LOCAL_HIT:
+        # Independent of the counters: every CPU tensor must lie in the lease's mapping.
+        report.bytes_materialized += private_bytes(model, backend.lease.regions())
+    if device is not None:
+        _block_report(model, contract.blocks(model)[options.resident_blocks:], report)
+    loaded = LoadedModel(model, report, backend=backend, client=client, contract=contract)
+    if pending:
+        t = time.perf_counter()
+        # On a CUDA device the backend moved the non-block tensors there:
+        # publication takes host bytes (streamed blocks stay on the host).
+        tensors = {s.name: s.tensor.detach() if s.tensor.device.type == "cpu" else s.tensor.detach().cpu()
+                   for s in tensor_slots(model).slots}
+        rep = client.publish_after_load(identity, tensors, blocks=publish_groups(model, contract.blocks(model)),
+                                        progress=_progress_printer(f"hwr: publishing {contract.name}")
+                                        if progress else None)
+        del tensors
+        report.publish = dataclasses.asdict(rep)
+        seconds["publish"] = round(time.perf_counter() - t, 6)
+    seconds["total"] = round(time.perf_counter() - t0, 6)
+    report.seconds = seconds
+    log.info("from_pretrained %s: %s in %.3fs (materialized %d bytes, %d producer calls)", contract.name,
+             report.outcome, seconds["total"], report.bytes_materialized, report.producer_calls)
+    return loaded
+
+
+def _disabled(files: ModelFiles, cls: Any, dtype: torch.dtype, device: Any, blocks: Any, resident_blocks: int,
+              fuse_qkv: bool, t0: float) -> LoadedModel:
+    """``mode="disabled"``: the library's own load; no client, no identity."""
+    if fuse_qkv and not hasattr(cls, "fuse_qkv_projections"):
+        raise InvalidArgument(f"fuse_qkv=True: {files.library}:{cls.__name__} has no fuse_qkv_projections(); "
+                              "expected a diffusers model that supports QKV fusion")
+    model = _library_load(files, cls, dtype)
+    if fuse_qkv:
+        with torch.no_grad():
+            model.fuse_qkv_projections()
+    model.eval()
+    model.requires_grad_(False)
+    lib = import_library(files.library)
+    report = PretrainedReport(Outcome.DISABLED.value, "", f"{files.library}:{cls.__name__}", str(lib.__version__))
+    backend = None
+    found = find_blocks(model, blocks)
+    if device is not None and found:
+        from dlo_runtime.backend import enable_layerwise_offload
+
+        backend = enable_layerwise_offload(model, found, device=device, resident_blocks=resident_blocks)
+        found = found[resident_blocks:]
+    if device is not None:
+        _block_report(model, found, report)
+    report.seconds = {"total": round(time.perf_counter() - t0, 6)}
+    return LoadedModel(model, report, backend=backend)
+
+
+__all__ = ["PretrainedReport", "LoadedModel", "ModelFiles", "PretrainedContract", "check_loaded", "find_blocks",
+           "from_pretrained", "model_files", "parameters_on_meta", "publish_groups", "resolve_class"]
