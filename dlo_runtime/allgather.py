@@ -128,6 +128,14 @@ def placeholder(dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     return torch.full((), fill, dtype=dtype).expand(tuple(shape))
 
 
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether ``t`` looks like a :func:`placeholder`: more than one element
+    over a single stored one (every stride 0), NaN for floating dtypes."""
+    if t.numel() <= 1 or any(s != 0 for s in t.stride()):
+        return False
+    return not (t.dtype.is_floating_point or t.dtype.is_complex) or bool(torch.isnan(t.reshape(-1)[0]).item())
+
+
 def in_regions(t: torch.Tensor, regions: Sequence[Any]) -> bool:
     """Whether a CPU tensor's bytes start inside one of ``regions``."""
     if t.device.type != "cpu" or t.numel() == 0:

@@ -207,21 +207,46 @@ def sc_lease(rank, size, pg, env):
 
 
 def sc_cold(rank, size, pg, env):
-    """A preferred miss under AllGather: canonical load, shards from the
-    ordinary tensors, and no publication (no rank holds a full tensor)."""
+    """A preferred miss on every rank under AllGather: canonical load, shards
+    from the ordinary tensors; the group's rank 0 publishes the full tensors
+    it kept from before sharding, the others skip; then a second start of
+    the group is a LOCAL_HIT on every rank."""
+    import torch.distributed as dist
+
+    from hwr_client.resolve import Outcome
+
     opts = WorkerOptions("tiny-dit", env["small"], "preferred", env["socket"], process_group=pg)
     worker = start_worker(opts)
     try:
         out = worker.forward(*sample_inputs(SMALL, seed=0))
+        kept = worker._publish_source is not None
         published = worker.publish()
-        from hwr_client.resolve import Outcome
-
-        still_missing = worker.client.resolve(worker.identity, mode="preferred").outcome is Outcome.CANONICAL_FALLBACK
-        return {"outcome": worker.report.outcome, "tx": worker.report.trail, "digest": output_digest(out),
-                "published": published is not None, "publish": worker.report.publish, "missing": still_missing,
+        # The guard behind publication: the served model's host tensors are
+        # placeholders on an AllGather rank and are refused, never published.
+        worker._publish_pending, worker._publish_source = True, worker.host_tensors()
+        refused = worker.publish() is None and "placeholder" in worker.report.publish.get("refused", "")
+        cold = {"outcome": worker.report.outcome, "tx": worker.report.trail, "digest": output_digest(out),
+                "kept": kept, "publish": _publish_doc(published), "refused": refused,
                 "transport": worker.handle.stats.transport}
     finally:
         worker.close()
+    dist.barrier(group=pg)  # rank 0's publication has committed before anyone starts again
+    worker = start_worker(opts)
+    try:
+        out = worker.forward(*sample_inputs(SMALL, seed=0))
+        warm = {"outcome": worker.report.outcome, "digest": output_digest(out), "key": worker.report.key,
+                "transport": worker.handle.stats.transport,
+                "pending": worker._publish_pending or worker._publish_source is not None}
+        hit = worker.client.resolve(worker.identity, mode="preferred").outcome is Outcome.LOCAL_HIT
+    finally:
+        worker.close()
+    return {"cold": cold, "warm": warm, "hit": hit}
+
+
+def _publish_doc(report):
+    if report is None:
+        return None
+    return {"ok": report.ok, "already": report.already_published, "bytes": report.bytes_written}
 
 
 def sc_divergent(rank, size, pg, env):
@@ -378,11 +403,25 @@ def test_two_ranks_parity_lease_divergence_and_stall(setup, tmp_path):
                   dict(setup, base=None, resident=0), str(tmp_path))
     _check_parity_and_memory(res, setup, 2)
     _ok(res["cold"], "cold")
-    for row in res["cold"]:
+    cold = [row["cold"] for row in res["cold"]]
+    for r, row in enumerate(cold):
         assert row["outcome"] == "CANONICAL_FALLBACK" and row["transport"] == "allgather"
         assert row["digest"] == setup["resident_small"][0]
-        assert any(t.startswith("publish_skipped") for t in row["tx"]), row["tx"]
-        assert not row["published"] and row["missing"]  # nothing of placeholders reached the store
+        assert row["refused"]  # placeholders never reach the store
+    # Exactly one publication, by the group's rank 0, before its backend sharded the model.
+    assert cold[0]["kept"] and cold[0]["publish"] == {"ok": True, "already": False, "bytes": cold[0]["publish"]["bytes"]}
+    assert cold[0]["publish"]["bytes"] > 0
+    steps = [t.split(":")[0] for t in cold[0]["tx"]]
+    assert steps.count("published") == 1 and steps.index("published") < steps.index("BACKEND_READY")
+    assert not cold[1]["kept"] and cold[1]["publish"] is None
+    assert "publish_skipped: AllGather rank 1 of 2: group rank 0 publishes the shared artifact" in cold[1]["tx"]
+    assert "published" not in [t.split(":")[0] for t in cold[1]["tx"]]
+    warm = [row["warm"] for row in res["cold"]]
+    assert len({w["key"] for w in warm}) == 1
+    for row in res["cold"]:
+        w = row["warm"]
+        assert w["outcome"] == "LOCAL_HIT" and w["transport"] == "allgather" and not w["pending"] and row["hit"]
+        assert w["digest"] == setup["resident_small"][0]  # bitwise equal to the cold start and the resident model
     _check_fails_everywhere(res["divergent"], "divergent", "BlockSequenceMismatch", "block sequence differs", 2)
     assert "rank 1: load 3 of block 0" in res["divergent"][0]["error"]
     stall = res["stall"][0]
