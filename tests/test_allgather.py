@@ -153,6 +153,8 @@ def sc_tinydit_ordinary(rank, size, pg, env):
                 "shard_bytes": stats.shard_bytes, "blocks": [b.nbytes for b in stats.blocks],
                 "collective": [b.collective_bytes for b in stats.blocks], "h2d": [b.h2d_bytes for b in stats.blocks],
                 "copies": [b.copies for b in stats.blocks], "buffer_bytes": stats.buffer_bytes,
+                "exchanges": handle._sequence.exchanges, "blocking": handle._sequence.blocking,
+                "loads": handle._sequence.loads,
                 "placeholder_nan": bool(torch.isnan(model.blocks[-1].attn.qkv.weight.float()).all())}
     finally:
         handle.close()
@@ -262,6 +264,24 @@ def sc_divergent(rank, size, pg, env):
     return {}
 
 
+def sc_consistent_skip(rank, size, pg, env):
+    """Every rank skips block 1 (a consistent out-of-order call, e.g. the
+    same skipped layer on every rank of a wave): the ranks revise the
+    announced sequence together and the output equals the resident model
+    with the same block skipped."""
+    reference = _canonical(env["small"])
+    reference.blocks = torch.nn.ModuleList(b for i, b in enumerate(reference.blocks) if i != 1)
+    model = _canonical(env["small"])
+    handle = _offload(model, pg)
+    model.blocks = torch.nn.ModuleList(b for i, b in enumerate(model.blocks) if i != 1)
+    try:
+        got = _forward_digests(model, SMALL)
+        return {"digests": got, "want": _forward_digests(reference, SMALL),
+                "revisions": handle._sequence.revisions}
+    finally:
+        handle.close()
+
+
 def _hook_block(model, index, fn):
     model.blocks[index].register_forward_pre_hook(lambda m, a: fn())
 
@@ -299,7 +319,7 @@ def sc_sigkill(rank, size, pg, env):
 
 
 SCENARIOS = {"tinydit_ordinary": sc_tinydit_ordinary, "toy_uneven": sc_toy_uneven, "lease": sc_lease, "cold": sc_cold,
-             "divergent": sc_divergent, "stall": sc_stall, "sigkill": sc_sigkill}
+             "consistent_skip": sc_consistent_skip, "divergent": sc_divergent, "stall": sc_stall, "sigkill": sc_sigkill}
 EXPECTED_TO_BREAK = {"divergent"}  # fails on every rank but leaves the group consistent
 
 
@@ -348,6 +368,10 @@ def _check_parity_and_memory(res, setup, size):
             plan = ShardPlan.of(n, size, 0)
             assert h2d == copies * plan.shard and coll == copies * (size - 1) * plan.shard
         assert row["buffer_bytes"] == max(ShardPlan.of(n, size, 0).padded for n in row["blocks"])
+        # The sequence check is exchanged one load ahead: one exchange per
+        # load (+ the first), and only the first load waited for its own.
+        assert row["loads"] == sum(row["copies"]) and row["exchanges"] == row["loads"] + 1
+        assert row["blocking"] == 1
     _ok(res["toy_uneven"], "toy_uneven")
     blocks = res["toy_uneven"][0]["blocks"]
     assert any(n % (size * 64) for n in blocks), f"toy blocks {blocks} divide evenly: the test would not test padding"
@@ -399,7 +423,7 @@ def _check_fails_everywhere(rows, name, error_type, needle, size):
 
 
 def test_two_ranks_parity_lease_divergence_and_stall(setup, tmp_path):
-    res = _launch(2, ["tinydit_ordinary", "toy_uneven", "lease", "cold", "divergent", "stall"],
+    res = _launch(2, ["tinydit_ordinary", "toy_uneven", "lease", "cold", "consistent_skip", "divergent", "stall"],
                   dict(setup, base=None, resident=0), str(tmp_path))
     _check_parity_and_memory(res, setup, 2)
     _ok(res["cold"], "cold")
@@ -422,6 +446,10 @@ def test_two_ranks_parity_lease_divergence_and_stall(setup, tmp_path):
         w = row["warm"]
         assert w["outcome"] == "LOCAL_HIT" and w["transport"] == "allgather" and not w["pending"] and row["hit"]
         assert w["digest"] == setup["resident_small"][0]  # bitwise equal to the cold start and the resident model
+    _ok(res["consistent_skip"], "consistent_skip")
+    for row in res["consistent_skip"]:
+        assert row["digests"] == row["want"] and row["digests"] != setup["resident_small"]
+        assert row["revisions"] > 0  # the ranks revised the announced sequence together
     _check_fails_everywhere(res["divergent"], "divergent", "BlockSequenceMismatch", "block sequence differs", 2)
     assert "rank 1: load 3 of block 0" in res["divergent"][0]["error"]
     stall = res["stall"][0]
