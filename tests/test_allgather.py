@@ -573,36 +573,33 @@ def test_shard_plan_pads_to_group_times_alignment():
 
 def test_worker_entry_takes_the_torchrun_environment(setup):
     """``python -m dlo_runtime.worker --dp 2`` under a torchrun-style
-    environment: two ranks warm-start from the daemon's lease with AllGather
-    over the DP group and match the resident model."""
-    import subprocess
+    environment, launched as ``hwr demo --ranks 2`` launches it: two ranks
+    warm-start from the daemon's lease with AllGather over the DP group and
+    match the resident model; the demo's row and checks hold."""
+    from hwr_client.cli import demo
+    from hwr_client.cli.workers import WorkerProcesses
 
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("HWR_SOCKET", None)
-        cmd = [sys.executable, "-m", "dlo_runtime.worker", "--checkpoint", setup["medium"], "--mode", "required",
-               "--socket", setup["socket"], "--forward", "--dp", "2", "--collective-timeout-s", "60"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
+    workers = WorkerProcesses()
     try:
-        for p in procs:
-            out, err = p.communicate(timeout=LAUNCH_DEADLINE_S)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
+        outs = demo.spawn_ranks(workers, setup["medium"], setup["socket"], 2, device="cpu")
+        assert [p.returncode for p in workers.procs] == [0, 0]  # released: both exited cleanly
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+        workers.kill_all()
     assert [o["rank"] for o in outs] == [0, 1]
     for o in outs:
         assert o["world_size"] == 2 and o["dlo_group"] == "dp" and o["dlo_group_size"] == 2
         assert o["outcome"] == "LOCAL_HIT" and o["transport"] == "allgather" and o["group_size"] == 2
         assert o["output_sha256"] == setup["resident_medium"]
+        assert o["pss_kib"] > 0
     assert outs[0]["shard_bytes"] == outs[1]["shard_bytes"] > 0  # each rank holds its half
+    assert len({o["pid"] for o in outs}) == 2
+    row = demo._row("ranks 1-2: warm, AllGather", outs, setup["resident_medium"])
+    assert row["outputs_equal"] and row["pss_sum_kib"] == sum(o["pss_kib"] for o in outs)
+    model_bytes = 2 * outs[0]["shard_bytes"]  # the ranks' shards: one copy of the streamed blocks
+    assert demo.ranks_checks(row, outs, model_bytes) == []
+    # The checks fail loudly: a rank-local row, or shards above a model copy.
+    assert "expected allgather" in demo.ranks_checks(dict(row, transport="ordinary"), outs, model_bytes)[0]
+    assert "expected one copy" in demo.ranks_checks(row, outs, model_bytes - 1)[0]
 
 
 def test_worker_entry_refuses_a_world_that_is_not_dp_times_sp(setup):
