@@ -229,7 +229,12 @@ class SequenceCheck:
     def _rows(self, pending: tuple[Any, torch.Tensor, list[int], str]) -> list[list[int]]:
         work, out, _, what = pending
         with self._stream():
-            _wait(work, self.timeout_s, what, self.rank, self.size)
+            try:
+                _wait(work, self.timeout_s, what, self.rank, self.size)
+            except CollectiveFailed:
+                # A timed-out exchange may still be written into later.
+                _ORPHANED.append(pending)
+                raise
             return out.view(self.size, 4).cpu().tolist()
 
     def _record(self, j: int) -> list[int]:
@@ -288,7 +293,6 @@ class SequenceCheck:
             return True
         except CollectiveFailed as exc:
             log.warning("AllGather drain: %s", exc)
-            _ORPHANED.append(pending)
             return "timed out" not in str(exc.__cause__ or "").lower()
 
     def _mismatch(self, rows: list[list[int]]) -> BlockSequenceMismatch:
