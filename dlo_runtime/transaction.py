@@ -92,7 +92,9 @@ class ModelRecipe:
     AllGather (``options.process_group`` of G > 1 ranks) it is called on the
     group's rank 0 only, BEFORE the backend starts (afterwards the model's
     streamed tensors are placeholders): it must take the full tensors then;
-    the other ranks record ``publish_skipped``.
+    the other ranks record ``publish_skipped``. A publisher that sends
+    synchronously here holds the other ranks in their first collective for
+    its duration (bounded by ``collective_timeout_s``); the worker defers it.
     """
 
     build_skeleton: Callable[[], nn.Module]
