@@ -23,7 +23,8 @@ cost structure, not NCCL/PCIe speed.
 Per-block time columns: ``compute`` (inside the block's forward, after its
 gather was waited for), ``exposed wait`` (the host blocked on the block's
 gather: the collective time NOT hidden behind compute), ``seq check`` (the
-block-sequence exchange), ``gather`` (one blocking all-gather of a block
+host's time in the block-sequence check: issuing its exchange one load
+ahead and waiting for the one issued a load earlier), ``gather`` (one blocking all-gather of a block
 measured alone: the collective's full cost) and ``copy`` (one memcpy of a
 whole block: what the rank-local path moves per block).
 

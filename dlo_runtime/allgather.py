@@ -20,12 +20,14 @@ placeholder (NaN for floating dtypes): no rank holds the whole block.
 
 Per block (the backend's schedule is unchanged, see :mod:`dlo_runtime.backend`):
 
-1. :meth:`SequenceCheck.check` exchanges (load number, block index, bytes) over
-   the group and compares them on every rank. A rank that streams another
-   block (one skipped, one called out of order) makes EVERY rank raise
-   :class:`BlockSequenceMismatch` before any data collective of mismatched
-   size is issued, instead of hanging or gathering the wrong shards. Cost:
-   one 32-byte-per-rank collective per block load.
+1. :meth:`SequenceCheck.agree` compares every rank's (load number, block
+   index, bytes) record for this load, exchanged one load ahead. A rank
+   that streams another block (one skipped, one called out of order) makes
+   EVERY rank raise :class:`BlockSequenceMismatch` before any data
+   collective of mismatched size is issued, instead of hanging or gathering
+   the wrong shards. Cost: one 32-byte-per-rank asynchronous collective per
+   block load, issued one load ahead, so in the steady state no rank waits
+   for it (no per-block rendezvous).
 2. The engine puts the shard into the slot's slice ``[r*S, (r+1)*S)`` and
    issues ``all_gather_single`` (``all_gather_into_tensor``'s name from
    torch 2.13 on) of that slice into the whole slot, asynchronously.
@@ -128,6 +130,14 @@ def placeholder(dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     return torch.full((), fill, dtype=dtype).expand(tuple(shape))
 
 
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether ``t`` looks like a :func:`placeholder`: more than one element
+    over a single stored one (every stride 0), NaN for floating dtypes."""
+    if t.numel() <= 1 or any(s != 0 for s in t.stride()):
+        return False
+    return not (t.dtype.is_floating_point or t.dtype.is_complex) or bool(torch.isnan(t.reshape(-1)[0]).item())
+
+
 def in_regions(t: torch.Tensor, regions: Sequence[Any]) -> bool:
     """Whether a CPU tensor's bytes start inside one of ``regions``."""
     if t.device.type != "cpu" or t.numel() == 0:
@@ -147,7 +157,39 @@ def _wait(work: Any, timeout_s: float, what: str, rank: int, size: int) -> None:
 
 
 class SequenceCheck:
-    """The block-sequence check (see the module docstring, step 1)."""
+    """The block-sequence check (see the module docstring, step 1).
+
+    Every gather ``g`` is preceded by one exchange ``E_g`` of a fixed
+    32-byte record per rank: (load number, block index, bytes, flag). The
+    exchange is issued one load AHEAD, with the block the schedule predicts
+    (:meth:`agree`'s ``predicted``), right before gather ``g - 1``, so by
+    the time load ``g`` is issued it has had a whole block's compute to
+    complete and waiting for it costs nothing in the steady state (the
+    former design exchanged and waited at every load: a per-block blocking
+    rendezvous).
+
+    Guarantees, unchanged: no rank issues a gather before every rank's
+    record for it was seen equal (so gathers of mismatched sizes are never
+    issued), and a rank that streams another block than the group makes
+    every rank raise :class:`BlockSequenceMismatch`:
+
+    - records that differ in ``E_g``: every rank raises at load ``g``;
+    - the group agreed on block ``b`` for load ``g`` (everyone predicted
+      it) but this rank needs ``j != b`` (a block skipped or called out of
+      order): it announces ``(g, j, bytes, REVISED)`` in ``E_{g+1}``,
+      issues the agreed gather ``g`` of ``b`` anyway (size-matched, so the
+      others' gather completes and teardown can drain it) and then waits
+      for ``E_{g+1}`` at once. The others announced their prediction there:
+      the records differ and every rank raises, the others at their next
+      load. If EVERY rank revised to the same block (a consistent
+      out-of-order call, e.g. the same skipped layer on every rank of a
+      synchronized wave) the records agree and the group gathers ``j`` next.
+
+    A load without an exchange ahead (the first one, or after a revision)
+    exchanges and waits at once, as before.
+    """
+
+    REVISED = 1
 
     def __init__(self, group: Any, device: torch.device, timeout_s: float, names: Sequence[str],
                  sizes: Sequence[int], *, stream: Any = None):
@@ -159,40 +201,107 @@ class SequenceCheck:
         self.stream = stream
         self.size, self.rank = group.size(), group.rank()
         self.names, self.sizes = list(names), list(sizes)
-        self.loads = 0  # block loads issued by this rank so far
-        self.seconds = 0.0
+        self.loads = 0  # block loads (gathers) issued by this rank so far
+        self.seconds = 0.0  # host time in agree(): issuing and waiting for exchanges
+        self.exchanges = 0  # exchanges issued
+        self.blocking = 0  # exchanges issued and waited at once (no exchange ahead)
+        self.revisions = 0  # loads where this rank left the announced sequence
+        #: The exchange for load ``self.loads``, issued ahead: (work, output,
+        #: this rank's record, what).
+        self._ahead: tuple[Any, torch.Tensor, list[int], str] | None = None
 
-    def check(self, j: int) -> None:
-        """Exchanges this rank's next load with every rank; raises on a
-        difference.
+    def _stream(self) -> Any:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-        Raises:
-            BlockSequenceMismatch: another rank loads another block next.
-            CollectiveFailed: the exchange itself failed or timed out.
-        """
-        t0 = time.perf_counter()
-        what = f"all_gather_single (block-sequence check before load {self.loads}, block {self.names[j]!r})"
+    def _issue(self, record: list[int]) -> tuple[Any, torch.Tensor, list[int], str]:
+        blk = record[1]
+        name = self.names[blk] if 0 <= blk < len(self.names) else f"#{blk}"
+        what = f"all_gather_single (block-sequence check of load {record[0]}, block {name!r})"
         # Everything on the side stream on CUDA (see ``stream``): the tag's
         # H2D, the gather, the wait and the read-back are ordered there only.
-        with (torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()):
-            mine = torch.tensor([self.loads, j, self.sizes[j], 0], dtype=torch.int64, device=self.device)
+        with self._stream():
+            mine = torch.tensor(record, dtype=torch.int64, device=self.device)
             out = torch.empty(4 * self.size, dtype=torch.int64, device=self.device)
             work = _gather_op()(out, mine, group=self.group, async_op=True)
-            # Blocking: the data gather of this load is issued only once
-            # every rank agrees on it, so ranks that diverge never pair
-            # collectives of different sizes (which hangs or corrupts
-            # instead of failing).
-            _wait(work, self.timeout_s, what, self.rank, self.size)
-            rows = out.view(self.size, 4).cpu().tolist()
-        self.loads += 1
-        self.seconds += time.perf_counter() - t0
-        if all(row == rows[0] for row in rows):
-            return
+        self.exchanges += 1
+        return work, out, record, what
+
+    def _rows(self, pending: tuple[Any, torch.Tensor, list[int], str]) -> list[list[int]]:
+        work, out, _, what = pending
+        with self._stream():
+            try:
+                _wait(work, self.timeout_s, what, self.rank, self.size)
+            except CollectiveFailed:
+                # A timed-out exchange may still be written into later.
+                _ORPHANED.append(pending)
+                raise
+            return out.view(self.size, 4).cpu().tolist()
+
+    def _record(self, j: int) -> list[int]:
+        return [self.loads, j, self.sizes[j], 0]
+
+    def agree(self, j: int, predicted: int | None) -> int:
+        """Makes the group agree on this rank's next load (block ``j``) and
+        returns the block to gather now: ``j``, or (once, after this rank
+        left the predicted sequence) the block the group agreed on, to be
+        gathered and discarded before calling again.
+
+        Args:
+            j: the block this rank loads next.
+            predicted: the block the schedule loads after ``j`` (announced
+                ahead); None when no further load is expected.
+
+        Raises:
+            BlockSequenceMismatch: the ranks' records differ.
+            CollectiveFailed: an exchange failed or timed out.
+        """
+        t0 = time.perf_counter()
+        try:
+            pending, self._ahead = self._ahead, None
+            if pending is None:
+                # No exchange ahead: exchange now and wait (before any gather).
+                self.blocking += 1
+                pending = self._issue(self._record(j))
+            # Blocking: a gather is issued only once every rank's record for
+            # it was seen equal, so diverging ranks never pair collectives of
+            # different sizes (which hangs or corrupts instead of failing).
+            rows = self._rows(pending)
+            if any(row != rows[0] for row in rows):
+                raise self._mismatch(rows)
+            agreed = rows[0][1]
+            if agreed != j:
+                # This rank left the sequence it announced: say so in the
+                # next exchange, then gather what the group agreed on.
+                self.revisions += 1
+                self._ahead = self._issue([self.loads, j, self.sizes[j], self.REVISED])
+            elif predicted is not None:
+                self._ahead = self._issue([self.loads + 1, predicted, self.sizes[predicted], 0])
+            self.loads += 1
+            return agreed
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def drain(self) -> bool:
+        """Waits for the exchange issued ahead (every rank issued it: it
+        completes unless a peer is gone). Returns False if it could not
+        complete (its buffers must then outlive the check)."""
+        pending, self._ahead = self._ahead, None
+        if pending is None:
+            return True
+        try:
+            self._rows(pending)
+            return True
+        except CollectiveFailed as exc:
+            log.warning("AllGather drain: %s", exc)
+            return "timed out" not in str(exc.__cause__ or "").lower()
+
+    def _mismatch(self, rows: list[list[int]]) -> BlockSequenceMismatch:
         parts = []
-        for r, (seq, blk, nbytes, _) in enumerate(rows):
+        for r, (seq, blk, nbytes, flag) in enumerate(rows):
             name = self.names[blk] if 0 <= blk < len(self.names) else f"#{blk}"
-            parts.append(f"rank {r}: load {seq} of block {blk} ({name!r}, {nbytes} bytes)")
-        raise BlockSequenceMismatch(
+            part = f"rank {r}: load {seq} of block {blk} ({name!r}, {nbytes} bytes"
+            parts.append(part + (", not the block the group agreed on)" if flag == self.REVISED else ")"))
+        return BlockSequenceMismatch(
             "AllGather block sequence differs across ranks: " + "; ".join(parts)
             + ". Every rank of the group must run the same blocks in the same order (same request path)")
 

@@ -21,8 +21,8 @@ same code for both.
 
 AllGather (``process_group`` of G > 1 ranks, :mod:`dlo_runtime.allgather`):
 the same schedule, but each rank holds 1/G of every block (its shard) and a
-load is a block-sequence check across the group followed by a gather of
-every rank's shard into the slot. A lease is only the shards' source and is
+load is a block-sequence check across the group (exchanged one load
+ahead) followed by a gather of every rank's shard into the slot. A lease is only the shards' source and is
 closed during setup. A setup that fails after some blocks were sharded
 leaves those blocks' tensors as placeholders: the model must be discarded
 (the startup transaction does).
@@ -471,17 +471,26 @@ class OffloadBackend:
         blk = self._blocks[j]
         c = self._counts[j]
         if self._sequence is not None:
-            plan = self._plans[j]
-            # Every rank agrees on this load before its gather is issued.
-            self._sequence.check(j)
-            self._slot_block[slot] = None
-            self._engine.label = f"{j} ({blk.name!r})"  # type: ignore[attr-defined]
-            self._engine.load(slot, self._buffers[slot][: plan.padded], self._shards[j], None)
-            self._slot_block[slot] = j
-            c[0] += 1
-            c[1] += plan.shard
-            c[3] += plan.padded - plan.shard
-            return
+            n = len(self._blocks)
+            # The schedule's next load after block j (announced one load
+            # ahead; with two or fewer blocks nothing is loaded again).
+            predicted = (j + 1) % n if n > 2 else None
+            while True:
+                # Every rank agrees on this load before its gather is issued.
+                g = self._sequence.agree(j, predicted)
+                plan, blk_g, c = self._plans[g], self._blocks[g], self._counts[g]
+                self._slot_block[slot] = None
+                self._engine.label = f"{g} ({blk_g.name!r})"  # type: ignore[attr-defined]
+                self._engine.load(slot, self._buffers[slot][: plan.padded], self._shards[g], None)
+                self._slot_block[slot] = g
+                c[0] += 1
+                c[1] += plan.shard
+                c[3] += plan.padded - plan.shard
+                if g == j:
+                    return
+                # This rank left the announced sequence: the group agreed on
+                # block g, gathered (size-matched) and discarded; the next
+                # agree() settles j (or raises on every rank).
         staging = self._staging[slot][: blk.nbytes] if self._staging else None
         self._slot_block[slot] = None
         host_copies = self._engine.load(slot, self._buffers[slot][: blk.nbytes], blk.host_bytes, staging)
@@ -518,6 +527,10 @@ class OffloadBackend:
     # -- teardown --------------------------------------------------------------
 
     def _drain(self) -> None:
+        if self._sequence is not None and not self._sequence.drain():
+            # The exchange issued ahead could not complete: the group is
+            # broken, so in-flight gathers may never complete either.
+            self._engine.clean = False  # type: ignore[union-attr]
         if self._engine is not None:
             # Pending copies read the mapping/staging and compute reads the
             # buffers: both must finish before any of them is released.

@@ -23,6 +23,11 @@ Failure rules (seed "Pre-service transaction boundary"):
   :class:`~hwr_client.resolve.Resolution` (LOCAL_HIT: warm start;
   CANONICAL_FALLBACK: canonical load; FAILED: raise).
 
+Publication after a canonical miss: rank-local, once in service; under
+AllGather, only on the group's rank 0 and before the backend shards the
+model (the only moment full tensors exist; see :class:`ModelRecipe`), so
+DP replicas get one shared artifact and never a placeholder.
+
 Model construction is the caller's (:class:`ModelRecipe`), so any model can
 plug in; this module only sequences it.
 """
@@ -42,6 +47,7 @@ from hwr_client.carrier import LeaseCarrier
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from hwr_client.resolve import Mode, Outcome, Resolution, parse_mode
 
+from dlo_runtime.allgather import group_size
 from dlo_runtime.backend import OffloadBackend
 from dlo_runtime.canonical import CanonicalOptions
 from dlo_runtime.restore import commit_restore, finalize_shared, plan_restore
@@ -82,7 +88,13 @@ class ModelRecipe:
     byte-changing work included) and returns the model; ``select_blocks``
     names the streamable blocks in execution order; ``finalize`` is the
     shared, non-byte-changing finalization; ``publish_after_load`` publishes
-    after a canonical miss (never called on a hit or during recovery).
+    after a canonical miss (never called on a hit or during recovery). Under
+    AllGather (``options.process_group`` of G > 1 ranks) it is called on the
+    group's rank 0 only, BEFORE the backend starts (afterwards the model's
+    streamed tensors are placeholders): it must take the full tensors then;
+    the other ranks record ``publish_skipped``. A publisher that sends
+    synchronously here holds the other ranks in their first collective for
+    its duration (bounded by ``collective_timeout_s``); the worker defers it.
     """
 
     build_skeleton: Callable[[], nn.Module]
@@ -309,18 +321,36 @@ class StartupTransaction:
                                        f"checkpoint_mmap={opts.checkpoint_mmap} {note}".strip())
         model = self.recipe.load_canonical(skeleton, opts)
         self.recipe.finalize(model)
+        publish = opts.publish and self.recipe.publish_after_load is not None
+        group = self.options.process_group
+        size = group_size(group)
+        if publish and size > 1:
+            # AllGather: the backend is about to point every streamed tensor
+            # at a placeholder and keep only a 1/G shard, so the full
+            # canonical tensors exist only now. The group's replicas (DP, or
+            # SP) share one identity: its rank 0 publishes, here, BEFORE the
+            # backend starts (the recipe takes what it needs from the model
+            # now; the worker keeps references to the full tensors until its
+            # deferred publication ends, one transient copy on one rank),
+            # and every other rank skips. So a later start of the group is a
+            # LOCAL_HIT on every rank, and no placeholder is ever published.
+            if group.rank() == 0:
+                self._publish(model, f"group rank 0 of {size}, before AllGather sharding")
+            else:
+                self._record("publish_skipped", f"AllGather rank {group.rank()} of {size}: "
+                                                f"group rank 0 publishes the shared artifact")
         backend = self._backend(model, self.recipe.select_blocks(model), None).start()
         self._enter(Stage.BACKEND_READY, "ordinary")
         self._enter(Stage.IN_SERVICE, outcome.value)
-        if opts.publish and self.recipe.publish_after_load is not None and backend.stats.group_size > 1:
-            # An AllGather rank holds 1/G of each block: its model has no
-            # full tensors to publish (a rank-local start or prewarm does).
-            self._record("publish_skipped", f"AllGather over {backend.stats.group_size} ranks")
-        elif opts.publish and self.recipe.publish_after_load is not None:
-            try:
-                self.recipe.publish_after_load(model)
-                self._record("published")
-            except Exception as exc:  # publication is for the next start; never fails this one
-                log.warning("publish after load failed (the next start will load canonically again): %s", exc)
-                self._record("publish_failed", str(exc))
+        if publish and size == 1:
+            self._publish(model)
         return StartupResult(outcome, model, backend, tuple(self.trail))
+
+    def _publish(self, model: nn.Module, note: str = "") -> None:
+        assert self.recipe.publish_after_load is not None
+        try:
+            self.recipe.publish_after_load(model)
+            self._record("published", note)
+        except Exception as exc:  # publication is for the next start; never fails this one
+            log.warning("publish after load failed (the next start will load canonically again): %s", exc)
+            self._record("publish_failed", str(exc))

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dlo_runtime.allgather import group_size, is_placeholder
 from dlo_runtime.contracts import Contract, check_no_meta, get_contract, private_bytes
 from hwr_client.core.errors import InvalidArgument
 from hwr_client.resolve import Mode, Outcome, parse_mode
@@ -146,6 +147,10 @@ class Worker:
         self.opts, self.contract, self.model, self.report = opts, contract, model, report
         self.handle, self.client, self.identity = handle, client, identity
         self._publish_pending = False
+        #: AllGather group rank 0 after a miss: the full canonical tensors,
+        #: taken before the backend sharded the model, kept only until
+        #: :meth:`publish` has sent them (one transient copy on one rank).
+        self._publish_source: dict[str, torch.Tensor] | None = None
 
     @torch.no_grad()
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -172,13 +177,24 @@ class Worker:
         if not self._publish_pending or self.client is None:
             return None
         self._publish_pending = False
-        if self.handle is not None and self.handle.stats.group_size > 1:
-            # No full tensor exists on an AllGather rank (the transaction
-            # never defers publication for one; this guards direct use).
+        source, self._publish_source = self._publish_source, None
+        if source is None and self.handle is not None and self.handle.stats.group_size > 1:
+            # An AllGather rank's model holds placeholders: only the group's
+            # rank 0 took the full tensors before sharding (see the
+            # transaction); any other rank has nothing to publish.
             self.report.publish = {"ok": False, "skipped": "AllGather rank: only shards are held"}
             return None
+        tensors = source if source is not None else self.host_tensors()
+        allgather = self.handle is not None and self.handle.stats.group_size > 1
+        bad = next((n for n, t in tensors.items() if allgather and is_placeholder(t)), None)
+        if bad is not None:
+            # Never a placeholder into the store: the artifact would serve NaN.
+            self.report.publish = {"ok": False, "refused": f"{bad} is an AllGather placeholder, not a weight"}
+            log.error("publish refused: %s", self.report.publish["refused"])
+            return None
         t0 = time.perf_counter()
-        report = self.client.publish_after_load(self.identity, self.host_tensors(), **kwargs)
+        report = self.client.publish_after_load(self.identity, tensors, **kwargs)
+        del tensors, source  # rank 0's full copy goes once it is published
         self.report.publish = _as_dict(report)
         self.report.publish["seconds"] = round(time.perf_counter() - t0, 6)
         return report
@@ -217,7 +233,7 @@ def _transport(handle: Any) -> str:
     return str(handle.stats.transport)
 
 
-def _recipe(opts: WorkerOptions, contract: Contract, phases: _Phases, pending: list[bool], publish: bool) -> Any:
+def _recipe(opts: WorkerOptions, contract: Contract, phases: _Phases, pending: list[Any], publish: bool) -> Any:
     """The model integration the startup transaction sequences."""
     from dlo_runtime.transaction import ModelRecipe
 
@@ -231,8 +247,14 @@ def _recipe(opts: WorkerOptions, contract: Contract, phases: _Phases, pending: l
     def defer_publish(model: nn.Module) -> None:
         # The transaction calls this only where publication is allowed (a
         # preferred miss, never the fresh recovery load). The worker serves
-        # first and publishes afterwards (Worker.publish).
-        pending.append(True)
+        # first and publishes afterwards (Worker.publish). Under AllGather it
+        # is called on the group's rank 0 before the backend shards the
+        # model: references to the full tensors are kept for Worker.publish
+        # (no copy; they are freed once published instead of at sharding).
+        if group_size(opts.process_group) > 1:
+            pending.append({n: t.detach() for n, t in model.state_dict().items()})
+        else:
+            pending.append(True)
 
     return ModelRecipe(
         build_skeleton=lambda: contract.build_skeleton(opts.checkpoint),
@@ -308,7 +330,7 @@ def _start_offloaded(opts: WorkerOptions, contract: Contract, phases: _Phases) -
 
     mode = parse_mode(opts.mode)
     client = identity = None
-    pending: list[bool] = []
+    pending: list[Any] = []
     if mode is not Mode.DISABLED:
         # Disabled never gets here with a client: zero HWR interaction.
         import hwr_client
@@ -335,6 +357,8 @@ def _start_offloaded(opts: WorkerOptions, contract: Contract, phases: _Phases) -
     report.phases.update({f"tx.{a.what}": round(b.at - a.at, 6) for a, b in zip(steps, steps[1:])})
     worker = Worker(opts, contract, result.model, report, handle=result.backend, client=client, identity=identity)
     worker._publish_pending = bool(pending)
+    worker._publish_source = next((p for p in pending if isinstance(p, dict)), None)
+    pending.clear()  # the worker alone holds rank 0's full tensors now
     return worker
 
 

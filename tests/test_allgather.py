@@ -153,6 +153,8 @@ def sc_tinydit_ordinary(rank, size, pg, env):
                 "shard_bytes": stats.shard_bytes, "blocks": [b.nbytes for b in stats.blocks],
                 "collective": [b.collective_bytes for b in stats.blocks], "h2d": [b.h2d_bytes for b in stats.blocks],
                 "copies": [b.copies for b in stats.blocks], "buffer_bytes": stats.buffer_bytes,
+                "exchanges": handle._sequence.exchanges, "blocking": handle._sequence.blocking,
+                "loads": handle._sequence.loads,
                 "placeholder_nan": bool(torch.isnan(model.blocks[-1].attn.qkv.weight.float()).all())}
     finally:
         handle.close()
@@ -207,21 +209,46 @@ def sc_lease(rank, size, pg, env):
 
 
 def sc_cold(rank, size, pg, env):
-    """A preferred miss under AllGather: canonical load, shards from the
-    ordinary tensors, and no publication (no rank holds a full tensor)."""
+    """A preferred miss on every rank under AllGather: canonical load, shards
+    from the ordinary tensors; the group's rank 0 publishes the full tensors
+    it kept from before sharding, the others skip; then a second start of
+    the group is a LOCAL_HIT on every rank."""
+    import torch.distributed as dist
+
+    from hwr_client.resolve import Outcome
+
     opts = WorkerOptions("tiny-dit", env["small"], "preferred", env["socket"], process_group=pg)
     worker = start_worker(opts)
     try:
         out = worker.forward(*sample_inputs(SMALL, seed=0))
+        kept = worker._publish_source is not None
         published = worker.publish()
-        from hwr_client.resolve import Outcome
-
-        still_missing = worker.client.resolve(worker.identity, mode="preferred").outcome is Outcome.CANONICAL_FALLBACK
-        return {"outcome": worker.report.outcome, "tx": worker.report.trail, "digest": output_digest(out),
-                "published": published is not None, "publish": worker.report.publish, "missing": still_missing,
+        # The guard behind publication: the served model's host tensors are
+        # placeholders on an AllGather rank and are refused, never published.
+        worker._publish_pending, worker._publish_source = True, worker.host_tensors()
+        refused = worker.publish() is None and "placeholder" in worker.report.publish.get("refused", "")
+        cold = {"outcome": worker.report.outcome, "tx": worker.report.trail, "digest": output_digest(out),
+                "kept": kept, "publish": _publish_doc(published), "refused": refused,
                 "transport": worker.handle.stats.transport}
     finally:
         worker.close()
+    dist.barrier(group=pg)  # rank 0's publication has committed before anyone starts again
+    worker = start_worker(opts)
+    try:
+        out = worker.forward(*sample_inputs(SMALL, seed=0))
+        warm = {"outcome": worker.report.outcome, "digest": output_digest(out), "key": worker.report.key,
+                "transport": worker.handle.stats.transport,
+                "pending": worker._publish_pending or worker._publish_source is not None}
+        hit = worker.client.resolve(worker.identity, mode="preferred").outcome is Outcome.LOCAL_HIT
+    finally:
+        worker.close()
+    return {"cold": cold, "warm": warm, "hit": hit}
+
+
+def _publish_doc(report):
+    if report is None:
+        return None
+    return {"ok": report.ok, "already": report.already_published, "bytes": report.bytes_written}
 
 
 def sc_divergent(rank, size, pg, env):
@@ -235,6 +262,24 @@ def sc_divergent(rank, size, pg, env):
     finally:
         handle.close()
     return {}
+
+
+def sc_consistent_skip(rank, size, pg, env):
+    """Every rank skips block 1 (a consistent out-of-order call, e.g. the
+    same skipped layer on every rank of a wave): the ranks revise the
+    announced sequence together and the output equals the resident model
+    with the same block skipped."""
+    reference = _canonical(env["small"])
+    reference.blocks = torch.nn.ModuleList(b for i, b in enumerate(reference.blocks) if i != 1)
+    model = _canonical(env["small"])
+    handle = _offload(model, pg)
+    model.blocks = torch.nn.ModuleList(b for i, b in enumerate(model.blocks) if i != 1)
+    try:
+        got = _forward_digests(model, SMALL)
+        return {"digests": got, "want": _forward_digests(reference, SMALL),
+                "revisions": handle._sequence.revisions}
+    finally:
+        handle.close()
 
 
 def _hook_block(model, index, fn):
@@ -274,7 +319,7 @@ def sc_sigkill(rank, size, pg, env):
 
 
 SCENARIOS = {"tinydit_ordinary": sc_tinydit_ordinary, "toy_uneven": sc_toy_uneven, "lease": sc_lease, "cold": sc_cold,
-             "divergent": sc_divergent, "stall": sc_stall, "sigkill": sc_sigkill}
+             "consistent_skip": sc_consistent_skip, "divergent": sc_divergent, "stall": sc_stall, "sigkill": sc_sigkill}
 EXPECTED_TO_BREAK = {"divergent"}  # fails on every rank but leaves the group consistent
 
 
@@ -323,6 +368,10 @@ def _check_parity_and_memory(res, setup, size):
             plan = ShardPlan.of(n, size, 0)
             assert h2d == copies * plan.shard and coll == copies * (size - 1) * plan.shard
         assert row["buffer_bytes"] == max(ShardPlan.of(n, size, 0).padded for n in row["blocks"])
+        # The sequence check is exchanged one load ahead: one exchange per
+        # load (+ the first), and only the first load waited for its own.
+        assert row["loads"] == sum(row["copies"]) and row["exchanges"] == row["loads"] + 1
+        assert row["blocking"] == 1
     _ok(res["toy_uneven"], "toy_uneven")
     blocks = res["toy_uneven"][0]["blocks"]
     assert any(n % (size * 64) for n in blocks), f"toy blocks {blocks} divide evenly: the test would not test padding"
@@ -374,15 +423,33 @@ def _check_fails_everywhere(rows, name, error_type, needle, size):
 
 
 def test_two_ranks_parity_lease_divergence_and_stall(setup, tmp_path):
-    res = _launch(2, ["tinydit_ordinary", "toy_uneven", "lease", "cold", "divergent", "stall"],
+    res = _launch(2, ["tinydit_ordinary", "toy_uneven", "lease", "cold", "consistent_skip", "divergent", "stall"],
                   dict(setup, base=None, resident=0), str(tmp_path))
     _check_parity_and_memory(res, setup, 2)
     _ok(res["cold"], "cold")
-    for row in res["cold"]:
+    cold = [row["cold"] for row in res["cold"]]
+    for r, row in enumerate(cold):
         assert row["outcome"] == "CANONICAL_FALLBACK" and row["transport"] == "allgather"
         assert row["digest"] == setup["resident_small"][0]
-        assert any(t.startswith("publish_skipped") for t in row["tx"]), row["tx"]
-        assert not row["published"] and row["missing"]  # nothing of placeholders reached the store
+        assert row["refused"]  # placeholders never reach the store
+    # Exactly one publication, by the group's rank 0, before its backend sharded the model.
+    assert cold[0]["kept"] and cold[0]["publish"] == {"ok": True, "already": False, "bytes": cold[0]["publish"]["bytes"]}
+    assert cold[0]["publish"]["bytes"] > 0
+    steps = [t.split(":")[0] for t in cold[0]["tx"]]
+    assert steps.count("published") == 1 and steps.index("published") < steps.index("BACKEND_READY")
+    assert not cold[1]["kept"] and cold[1]["publish"] is None
+    assert "publish_skipped: AllGather rank 1 of 2: group rank 0 publishes the shared artifact" in cold[1]["tx"]
+    assert "published" not in [t.split(":")[0] for t in cold[1]["tx"]]
+    warm = [row["warm"] for row in res["cold"]]
+    assert len({w["key"] for w in warm}) == 1
+    for row in res["cold"]:
+        w = row["warm"]
+        assert w["outcome"] == "LOCAL_HIT" and w["transport"] == "allgather" and not w["pending"] and row["hit"]
+        assert w["digest"] == setup["resident_small"][0]  # bitwise equal to the cold start and the resident model
+    _ok(res["consistent_skip"], "consistent_skip")
+    for row in res["consistent_skip"]:
+        assert row["digests"] == row["want"] and row["digests"] != setup["resident_small"]
+        assert row["revisions"] > 0  # the ranks revised the announced sequence together
     _check_fails_everywhere(res["divergent"], "divergent", "BlockSequenceMismatch", "block sequence differs", 2)
     assert "rank 1: load 3 of block 0" in res["divergent"][0]["error"]
     stall = res["stall"][0]
@@ -506,36 +573,33 @@ def test_shard_plan_pads_to_group_times_alignment():
 
 def test_worker_entry_takes_the_torchrun_environment(setup):
     """``python -m dlo_runtime.worker --dp 2`` under a torchrun-style
-    environment: two ranks warm-start from the daemon's lease with AllGather
-    over the DP group and match the resident model."""
-    import subprocess
+    environment, launched as ``hwr demo --ranks 2`` launches it: two ranks
+    warm-start from the daemon's lease with AllGather over the DP group and
+    match the resident model; the demo's row and checks hold."""
+    from hwr_client.cli import demo
+    from hwr_client.cli.workers import WorkerProcesses
 
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("HWR_SOCKET", None)
-        cmd = [sys.executable, "-m", "dlo_runtime.worker", "--checkpoint", setup["medium"], "--mode", "required",
-               "--socket", setup["socket"], "--forward", "--dp", "2", "--collective-timeout-s", "60"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
+    workers = WorkerProcesses()
     try:
-        for p in procs:
-            out, err = p.communicate(timeout=LAUNCH_DEADLINE_S)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
+        outs = demo.spawn_ranks(workers, setup["medium"], setup["socket"], 2, device="cpu")
+        assert [p.returncode for p in workers.procs] == [0, 0]  # released: both exited cleanly
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+        workers.kill_all()
     assert [o["rank"] for o in outs] == [0, 1]
     for o in outs:
         assert o["world_size"] == 2 and o["dlo_group"] == "dp" and o["dlo_group_size"] == 2
         assert o["outcome"] == "LOCAL_HIT" and o["transport"] == "allgather" and o["group_size"] == 2
         assert o["output_sha256"] == setup["resident_medium"]
+        assert o["pss_kib"] > 0
     assert outs[0]["shard_bytes"] == outs[1]["shard_bytes"] > 0  # each rank holds its half
+    assert len({o["pid"] for o in outs}) == 2
+    row = demo._row("ranks 1-2: warm, AllGather", outs, setup["resident_medium"])
+    assert row["outputs_equal"] and row["pss_sum_kib"] == sum(o["pss_kib"] for o in outs)
+    model_bytes = 2 * outs[0]["shard_bytes"]  # the ranks' shards: one copy of the streamed blocks
+    assert demo.ranks_checks(row, outs, model_bytes) == []
+    # The checks fail loudly: a rank-local row, or shards above a model copy.
+    assert "expected allgather" in demo.ranks_checks(dict(row, transport="ordinary"), outs, model_bytes)[0]
+    assert "expected one copy" in demo.ranks_checks(row, outs, model_bytes - 1)[0]
 
 
 def test_worker_entry_refuses_a_world_that_is_not_dp_times_sp(setup):

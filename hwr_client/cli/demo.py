@@ -7,7 +7,10 @@
 2. worker 1, preferred mode: a miss, so CANONICAL_FALLBACK — canonical load,
    DLO forward pass, then ``publish_after_load``;
 3. worker 2, preferred mode: LOCAL_HIT — restore from the lease, DLO forward;
-4. three warm workers at once (separate processes).
+4. three warm workers at once (separate processes);
+5. with ``--ranks N`` (N > 1): N ranks on this node started like torchrun
+   (``--dp N``), AllGather from the lease: each keeps 1/N of every block,
+   their PSS is summed, their output must equal the ordinary worker's.
 
 Each row of the table reports startup seconds, the sum of PSS of the row's
 processes (read while all of them are alive), the bytes each materialized,
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +37,7 @@ from typing import Any
 
 from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
 from hwr_client.cli.pretrained import add_model_flags, prewarm_model
-from hwr_client.cli.pss import baseline_pss_kib
+from hwr_client.cli.pss import baseline_pss_kib, process_pss
 from hwr_client.cli.workers import WorkerProcesses, daemon_for
 from hwr_client.core.defaults import human, parse_size
 from hwr_client.core.errors import InvalidArgument, NotFound
@@ -48,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--seed", type=int, default=0, help="checkpoint seed")
     demo.add_argument("--workdir", help="directory for the checkpoint and store (default: a temp dir, removed)")
     demo.add_argument("--device", default="cpu", help="DLO compute device (default cpu)")
+    demo.add_argument("--ranks", type=int, default=1,
+                      help="also start N ranks (--dp N, torchrun environment) with DLO AllGather from the lease "
+                           "(default 1: no such row)")
     add_socket_flags(demo)
     add_json_flag(demo)
     demo.set_defaults(func=run_demo)
@@ -129,6 +136,50 @@ def _row(path: str, results: list[dict[str, Any]], reference: str) -> dict[str, 
     }
 
 
+def spawn_ranks(workers: WorkerProcesses, checkpoint: str, socket: str, n: int, *, device: str) -> list[dict[str, Any]]:
+    """Starts ``n`` worker ranks at once the way torchrun would (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT on 127.0.0.1, ``--dp n``):
+    DLO's group is the DP group, so they AllGather. Returns their results
+    with PSS read while all are alive (like :meth:`WorkerProcesses.group`)."""
+    import socket as sockets
+
+    with sockets.socket() as s:
+        s.bind(("127.0.0.1", 0))  # a free port for the rendezvous, chosen by the OS
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(n):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cmd = [sys.executable, "-m", "dlo_runtime.worker", "--contract", "tiny-dit", "--checkpoint", checkpoint,
+               "--mode", "preferred", "--device", device, "--hold", "--forward", "--socket", socket,
+               "--dp", str(n), "--collective-timeout-s", "120"]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        proc.t0 = time.perf_counter()  # type: ignore[attr-defined]
+        workers.procs.append(proc)  # kill_all() covers them
+        procs.append(proc)
+    results = [workers.result(p) for p in procs]
+    for r, p in zip(results, procs):
+        r.update(process_pss(p.pid))
+    for p in procs:
+        workers.release(p)
+    return results
+
+
+def ranks_checks(row: dict[str, Any], results: list[dict[str, Any]], model_bytes: int) -> list[str]:
+    """What must hold for the AllGather ranks row; each failure is one line."""
+    n = len(results)
+    fails = []
+    if row["outcome"] != "LOCAL_HIT":
+        fails.append(f"{row['path']}: outcome {row['outcome']}, expected LOCAL_HIT")
+    if row["transport"] != "allgather" or any(r.get("group_size") != n for r in results):
+        fails.append(f"{row['path']}: transport {row['transport']}, expected allgather over {n} ranks")
+    shards = sum(r.get("shard_bytes", 0) for r in results)
+    if not 0 < shards <= model_bytes:
+        fails.append(f"{row['path']}: the ranks' shards total {shards} bytes, expected one copy of the "
+                     f"streamed blocks (at most the model's {model_bytes})")
+    return fails
+
+
 def _checks(rows: dict[str, dict[str, Any]], *, own_daemon: bool) -> list[str]:
     """What must hold; each failure is one line."""
     fails = []
@@ -168,6 +219,11 @@ def _print(rows: dict[str, dict[str, Any]], baseline_kib: int, size: int) -> Non
     print(f"{n} warm workers at once share ONE copy of the weights: the PSS of their artifact mappings sums to "
           f"{human(many['pss_artifact_kib'] * 1024)}\n(the model is {human(model)}); "
           f"{n} ordinary workers would each hold it privately ({human(n * model)} in all)")
+    if "ranks" in rows:
+        r = rows["ranks"]
+        print(f"{r['n']} AllGather ranks (lease closed after cutting their shards) hold "
+              f"{human(r['shard_bytes'])} of private shards together, one copy of the streamed blocks; "
+              f"their PSS sums to {human(r['pss_sum_kib'] * 1024)}")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -176,6 +232,9 @@ def run_demo(args: argparse.Namespace) -> int:
     from dlo_runtime.models.tiny_dit import TinyDiTConfig, write_checkpoint
 
     size = parse_size(args.size)
+    if args.ranks < 1:
+        raise InvalidArgument(f"hwr demo: --ranks {args.ranks}, expected 1 or more")
+    steps = 6 + (args.ranks > 1)
     own_workdir = args.workdir is None
     workdir = tempfile.mkdtemp(prefix="hwr-demo-") if own_workdir else os.path.abspath(args.workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -183,20 +242,24 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         cfg = TinyDiTConfig.for_size(size)
         ckpt = os.path.join(workdir, f"tiny-dit-{args.seed}")
-        _say(f"[1/6] writing a {human(size)} reference checkpoint (hidden {cfg.hidden}, {cfg.depth} blocks) to {ckpt}")
+        _say(f"[1/{steps}] writing a {human(size)} reference checkpoint (hidden {cfg.hidden}, {cfg.depth} blocks) to {ckpt}")
         write_checkpoint(ckpt, cfg, seed=args.seed,
                          progress=lambda done, total: _say(f"      {100 * done // total:3d}%  {human(done)} / {human(total)}"))
         with daemon_for(args, workdir) as socket:
-            _say("[2/6] ordinary worker (HWR disabled, model resident): the reference output")
+            _say(f"[2/{steps}] ordinary worker (HWR disabled, model resident): the reference output")
             ordinary = workers.group(ckpt, "disabled", None, 1, device=args.device, offload=False)
             reference = ordinary[0]["output_sha256"]
-            _say("[3/6] worker 1, preferred: canonical load, DLO forward, publish after serving")
+            _say(f"[3/{steps}] worker 1, preferred: canonical load, DLO forward, publish after serving")
             cold = workers.group(ckpt, "preferred", socket, 1, device=args.device)
-            _say("[4/6] worker 2, preferred: warm start from the lease, DLO forward")
+            _say(f"[4/{steps}] worker 2, preferred: warm start from the lease, DLO forward")
             warm = workers.group(ckpt, "preferred", socket, 1, device=args.device)
-            _say(f"[5/6] {args.workers} warm workers at once")
+            _say(f"[5/{steps}] {args.workers} warm workers at once")
             many = workers.group(ckpt, "preferred", socket, args.workers, device=args.device)
-        _say("[6/6] baseline PSS of an idle worker process")
+            ranks: list[dict[str, Any]] = []
+            if args.ranks > 1:
+                _say(f"[6/{steps}] {args.ranks} ranks (--dp {args.ranks}), AllGather from the lease")
+                ranks = spawn_ranks(workers, ckpt, socket, args.ranks, device=args.device)
+        _say(f"[{steps}/{steps}] baseline PSS of an idle worker process")
         baseline = baseline_pss_kib()
     finally:
         workers.kill_all()
@@ -209,9 +272,16 @@ def run_demo(args: argparse.Namespace) -> int:
         "warm_many": dict(_row(f"workers 3-{2 + args.workers}: warm, at once", many, reference), n=args.workers),
     }
     fails = _checks(rows, own_daemon=not args.socket)
+    if ranks:
+        rows["ranks"] = dict(_row(f"ranks 1-{args.ranks}: warm, AllGather", ranks, reference), n=args.ranks,
+                             shard_bytes=sum(r.get("shard_bytes", 0) for r in ranks))
+        fails += ranks_checks(rows["ranks"], ranks, rows["ordinary"]["bytes_materialized"])
+        if not rows["ranks"]["outputs_equal"]:
+            fails.append(f"{rows['ranks']['path']}: output differs from the ordinary loader's")
     if args.json:
         print_json({"size": size, "baseline_pss_kib": baseline, "rows": rows, "failures": fails,
-                    "workers": {"ordinary": ordinary, "cold": cold, "warm": warm, "warm_many": many}})
+                    "workers": {"ordinary": ordinary, "cold": cold, "warm": warm, "warm_many": many,
+                                **({"ranks": ranks} if ranks else {})}})
     else:
         _print(rows, baseline, size)
         print("\n" + ("ALL CHECKS PASSED" if not fails else "CHECKS FAILED:\n  " + "\n  ".join(fails)))
