@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 #: weights before their use), with the components that may defer.
 CHECKED_PIPELINES: dict[str, tuple[str, ...]] = {
     "FluxPipeline": ("text_encoder", "text_encoder_2", "transformer", "vae"),
+    # The VAE encodes the input image before denoising and decodes after:
+    # its last use is the decode, so it overlaps the transformer.
+    "FluxImg2ImgPipeline": ("text_encoder", "text_encoder_2", "transformer", "vae"),
 }
 
 DEFAULT_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae")

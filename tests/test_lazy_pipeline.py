@@ -164,6 +164,29 @@ def test_a_component_mutated_after_load_is_refused_for_deferral(pipe_dir, hwrd, 
         assert not lazy.reports["vae"].deferred and "use_slicing" in lazy.reports["vae"].why
 
 
+def test_img2img_holds_the_vae_from_encode_to_decode(pipe_dir, hwrd):
+    from diffusers import FluxImg2ImgPipeline
+
+    def img2img(pipe):
+        with torch.no_grad():
+            return pipe(prompt="a red dog", image=torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(1)),
+                        strength=0.75, height=16, width=16, num_inference_steps=4, guidance_scale=3.5,
+                        max_sequence_length=12, generator=torch.Generator().manual_seed(0), output_type="pt").images
+
+    reference = img2img(FluxImg2ImgPipeline.from_pretrained(pipe_dir, dtype=torch.bfloat16))
+    with dlo_runtime.lazy_pipeline(pipe_dir, pipeline_class=FluxImg2ImgPipeline, socket=hwrd.socket) as lazy:
+        images = [img2img(lazy.pipe)]
+        mark = len(lazy.timeline)
+        images.append(img2img(lazy.pipe))
+        assert all(torch.equal(img, reference) for img in images)
+        second = [w for _, w, _ in lazy.timeline[mark:]]
+        assert second == ["load text_encoder", "release text_encoder", "load text_encoder_2", "release text_encoder_2",
+                          "load vae", "load transformer", "release transformer", "release vae"]
+        assert all(r.outcomes[-1] == "LOCAL_HIT" and r.bytes_materialized[-1] == 0 for r in lazy.reports.values())
+        sizes = {n: r.resident_bytes for n, r in lazy.reports.items()}
+        assert max(b for _, _, b in lazy.timeline[mark:]) == sizes["transformer"] + sizes["vae"]
+
+
 def test_an_unchecked_pipeline_class_loads_normally_and_says_so(pipe_dir, hwrd):
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
