@@ -135,10 +135,9 @@ class LazyComponent:
     config-only reads load nothing. Built by :func:`lazy_pipeline`.
     """
 
-    def __init__(self, owner: "LazyPipeline", name: str, cls: type, shell: nn.Module,
-                 load: Callable[[], Any]):
+    def __init__(self, owner: "LazyPipeline", name: str, cls: type, shell: nn.Module):
         d = object.__getattribute__(self, "__dict__")
-        d.update(_lazy_owner=owner, _lazy_name=name, _lazy_cls=cls, _lazy_shell=shell, _lazy_load=load,
+        d.update(_lazy_owner=owner, _lazy_name=name, _lazy_cls=cls, _lazy_shell=shell,
                  _lazy_loaded=None, _lazy_real=None, _lazy_snapshot=None, _lazy_regions=(),
                  _lazy_pending=[], _lazy_refused="")
         # diffusers records a component's (library, class) from __module__.
@@ -186,7 +185,7 @@ class LazyComponent:
             if name in _STATELESS_WHEN_RELEASED and hasattr(self._lazy_shell, name):
                 return lambda *a, **k: None
             if name == "device":
-                return self._lazy_owner._device_of(self)
+                return self._lazy_owner._device_of()
             # Config-only reads: the meta skeleton has the config, the dtypes
             # and every plain attribute its constructor set; no weight.
             value = getattr(self._lazy_shell, name)  # AttributeError: the real one lacks it too
@@ -257,6 +256,7 @@ class LazyPipeline:
     def __init__(self, pipe_dir: str, *, mode: str, dtype: str, decision: OffloadDecision, socket: str | None,
                  host_plan: str | None):
         self.pipe: Any = None
+        self.pipeline_name = ""
         self.pipe_dir, self.mode, self.dtype = pipe_dir, mode, dtype
         self.decision, self.socket, self.host_plan = decision, socket, host_plan
         self.components: dict[str, LazyComponent] = {}
@@ -275,7 +275,8 @@ class LazyPipeline:
 
     # -- loading ------------------------------------------------------------------
 
-    def _device_of(self, proxy: LazyComponent) -> torch.device:
+    def _device_of(self) -> torch.device:
+        """Where every component computes (one device per lazy pipeline)."""
         return torch.device(self.decision.device or "cpu")
 
     def _load(self, proxy: LazyComponent) -> nn.Module:
@@ -433,7 +434,7 @@ class LazyPipeline:
     def report(self) -> dict[str, Any]:
         """Per component (plan and why, load seconds, bytes materialized,
         resident bytes), the placement decision, the calls and the notes."""
-        return {"pipeline": type(self.pipe).__name__ if self.pipe is not None else "", "calls": self.calls,
+        return {"pipeline": self.pipeline_name, "calls": self.calls,
                 "placement": dataclasses.asdict(self.decision), "notes": list(self.notes),
                 "peak_component_bytes": self.peak_component_bytes,
                 "components": {n: dataclasses.asdict(r) for n, r in self.reports.items()}}
@@ -472,7 +473,7 @@ def _lazy_class(cls: type, owner: LazyPipeline) -> type:
     def _execution_device(self: Any) -> torch.device:
         # diffusers' own walks every component's modules() to look for group
         # offload hooks, which would load them all; a lazy pipeline has none.
-        return owner._device_of(None)  # type: ignore[arg-type]
+        return owner._device_of()
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "_execution_device": property(_execution_device),
                                        "__module__": cls.__module__, "__doc__": cls.__doc__})
@@ -561,7 +562,7 @@ def lazy_pipeline(
             lazy.reports[name] = ComponentReport(name, False, f"loads normally: {why}")
         else:
             cls, shell = _shell(pipe_dir, name, dtype)
-            proxy = LazyComponent(lazy, name, cls, shell, lambda: None)
+            proxy = LazyComponent(lazy, name, cls, shell)
             lazy.components[name] = proxy
             lazy.reports[name] = ComponentReport(name, True, f"{pipeline_class.__name__} is checked for {name}")
             passed[name] = proxy
@@ -573,7 +574,7 @@ def lazy_pipeline(
     pipe = pipeline_class.from_pretrained(pipe_dir, dtype=target, local_files_only=True, **passed)
     if lazy.components:
         pipe.__class__ = _lazy_class(type(pipe), lazy)
-    lazy.pipe = pipe
+    lazy.pipe, lazy.pipeline_name = pipe, pipeline_class.__name__
     return lazy
 
 
