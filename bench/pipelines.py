@@ -26,6 +26,7 @@ bitwise equal to the resident case's.
 
     python bench/pipelines.py                    # ~1.4 GiB of bf16 weights
     python bench/pipelines.py --scale small      # ~90 MiB, a quick look
+    python bench/pipelines.py --checkpoint-dtype bfloat16   # + lazy-mmap (host_plan="auto")
 
 Prints a table, writes JSON (default ``bench/results/pipelines.json``) and a
 PNG of memory over time beside it when matplotlib is installed.
@@ -50,6 +51,9 @@ sys.path.insert(0, REPO)
 
 MIB = 1 << 20
 CASES = ("resident", "lazy-disk", "lazy-hwr")
+#: With a bf16 checkpoint the runtime layout is the checkpoint's: a fourth case
+#: serves every component from read-only views of its mapping.
+MMAP_CASE = "lazy-mmap"
 
 #: name -> (T5 overrides, transformer overrides, checkpoint dtype)
 SCALES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
@@ -109,7 +113,8 @@ def worker(args: argparse.Namespace) -> int:
         pipe = FluxPipeline.from_pretrained(args.pipe, dtype=torch.bfloat16)
     else:
         mode = "disabled" if args.case == "lazy-disk" else "preferred"
-        lazy = dlo_runtime.lazy_pipeline(args.pipe, mode=mode, socket=args.socket)
+        lazy = dlo_runtime.lazy_pipeline(args.pipe, mode=mode, socket=args.socket,
+                                         host_plan="auto" if args.case == MMAP_CASE else None)
         pipe = lazy.pipe
     build_s = time.perf_counter() - t
     marks.append((sampler.now(), "built"))
@@ -141,16 +146,19 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def build(workdir: str, scale: str) -> str:
+def build(workdir: str, scale: str, dtype: str | None) -> str:
     import torch
 
     from tests.test_real_models_common import save_flux_pipeline
 
-    path = os.path.join(workdir, f"flux-pipeline-{scale}")
+    t5, tr, default = SCALES[scale]
+    dtype = dtype or default
+    path = os.path.join(workdir, f"flux-pipeline-{scale}-{dtype}")
     if os.path.isfile(os.path.join(path, "model_index.json")):
         return path
-    t5, tr, dtype = SCALES[scale]
-    save_flux_pipeline(path, t5=t5, transformer=tr, shard="512MB", save_dtype=getattr(torch, dtype))
+    # One shard per component: a block cut across shards is not one range
+    # (the checkpoint-mmap preflight refuses it).
+    save_flux_pipeline(path, t5=t5, transformer=tr, shard="4GB", save_dtype=getattr(torch, dtype))
     return path
 
 
@@ -165,7 +173,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     try:
         t = time.perf_counter()
-        pipe_dir = build(workdir, args.scale)
+        pipe_dir = build(workdir, args.scale, args.checkpoint_dtype)
+        cases = CASES + ((MMAP_CASE,) if (args.checkpoint_dtype or SCALES[args.scale][2]) == "bfloat16" else ())
         print(f"built {pipe_dir} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
         args.socket = None
         results = {}
@@ -180,7 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            env={**os.environ, "PYTHONPATH": REPO})
             with open(os.path.join(pre, "lazy-hwr.json")) as f:
                 prewarm = json.load(f)
-            for case in CASES:
+            for case in cases:
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--case", case, "--pipe", pipe_dir,
                        "--socket", socket, "--out", out, "--calls", str(args.calls)]
                 subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": REPO})
@@ -199,6 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cold = {n: {"seconds": r["load_seconds"][0], "outcome": r["outcomes"][0]}
             for n, r in prewarm["report"]["components"].items()}
     return {"bench": "pipelines", "scale": args.scale, "calls": args.calls, "results": results, "prewarm": cold,
+            "checkpoint_dtype": args.checkpoint_dtype or SCALES[args.scale][2],
             "component_mib": {n: round(b / MIB, 1) for n, b in sizes.items()},
             "env": {"python": platform.python_version(), "torch": torch.__version__,
                     "diffusers": diffusers.__version__, "cpus": os.cpu_count(), "machine": platform.machine()}}
@@ -221,9 +231,10 @@ def summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
             row["outcomes"] = {n: r["outcomes"][-1] for n, r in comps.items() if r["outcomes"]}
             row["bytes_materialized_last"] = {n: r["bytes_materialized"][-1] for n, r in comps.items()
                                               if r["bytes_materialized"]}
+            row["plans"] = {n: r["plan"] for n, r in comps.items()}
         rows.append(row)
-    disk, hwr = (next(r for r in rows if r["case"] == c) for c in ("lazy-disk", "lazy-hwr"))
-    for r in (disk, hwr):
+    disk = next(r for r in rows if r["case"] == "lazy-disk")
+    for r in (r for r in rows if "reload_s" in r):
         r["transformer_reload_speedup"] = round(disk["reload_s"]["transformer"] / max(r["reload_s"]["transformer"],
                                                                                       1e-9), 1)
     return rows
@@ -239,6 +250,10 @@ def print_table(doc: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         print(f"{r['case']:<10} {str(r['peak_mib']):<40} {str(r['seconds']):<26} {r['peak_last_x_largest']:>9} "
               f"{r['peak_last_x_sum']:>6} {str(r['outputs_equal']):>6}  {reload if reload is not None else '-'}")
     hwr = next(r for r in rows if r["case"] == "lazy-hwr")
+    for r in rows:
+        if r["case"] == MMAP_CASE:
+            print(f"lazy-mmap plans: {r['plans']}; reload s {r['reload_s']}; "
+                  f"transformer reload {r['transformer_reload_speedup']}x faster than disk")
     print(f"prewarm (cold load + publish) seconds: {doc['prewarm']}")
     print(f"RSS a call added above its start (MiB): "
           f"{ {r['case']: r['added_mib'] for r in rows} }")
@@ -277,11 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", choices=sorted(SCALES), default="flux")
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--checkpoint-dtype", choices=["float32", "bfloat16"],
+                        help="dtype of the saved checkpoint (default: the scale's, fp32); bfloat16 adds the "
+                             "lazy-mmap case (host_plan='auto')")
     parser.add_argument("--workdir", help="pipeline, store and outputs (default: a temp dir, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the temp workdir")
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "pipelines.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
+    parser.add_argument("--case", choices=CASES + (MMAP_CASE,), help=argparse.SUPPRESS)
     parser.add_argument("--pipe", help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
