@@ -132,7 +132,8 @@ def worker(args: argparse.Namespace) -> int:
                       "added_in_call_mib": round((peak - start_rss) / MIB, 1)})
         marks.append((t1, f"call {i + 1}"))
     sampler.stop()
-    doc: dict[str, Any] = {"case": args.case, "build_s": round(build_s, 4), "baseline_rss_mib": round(baseline / MIB, 1),
+    doc: dict[str, Any] = {"case": args.case, "build_s": round(build_s, 4),
+                           "baseline_rss_mib": round(baseline / MIB, 1),
                            "calls": calls, "marks": marks,
                            "samples": [(round(s, 4), round((b - baseline) / MIB, 1)) for s, b in sampler.samples[::4]]}
     if lazy is not None:
@@ -257,7 +258,8 @@ def print_table(doc: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     print(f"prewarm (cold load + publish) seconds: {doc['prewarm']}")
     print(f"RSS a call added above its start (MiB): "
           f"{ {r['case']: r['added_mib'] for r in rows} }")
-    print(f"reload seconds per component, last call: disk {next(r for r in rows if r['case'] == 'lazy-disk')['reload_s']}"
+    disk = next(r for r in rows if r["case"] == "lazy-disk")
+    print(f"reload seconds per component, last call: disk {disk['reload_s']}"
           f"; hwr {hwr['reload_s']} ({hwr['outcomes']}); hwr transformer reload "
           f"{hwr['transformer_reload_speedup']}x faster than disk")
 

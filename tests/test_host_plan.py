@@ -188,3 +188,24 @@ def test_workers_share_the_checkpoints_pages(dirs):
     # Each worker sees the whole checkpoint resident; together they are charged one copy.
     assert min(rss) >= 0.9 * payload_kib, (out, payload_kib)
     assert sum(p for _, p in out) <= 1.1 * max(rss) + 16, (out, payload_kib)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_checkpoint_mmap_streams_to_cuda(dirs):
+    """Written for a CUDA node, not run on the CPU-only one it was written on:
+    the mapped files are registered read-only or staged (the transport
+    decides), the blocks stream from the mapping's spans."""
+    def on_cuda(model):
+        inputs = {k: v.to("cuda:0") for k, v in MODELS["flux"][1](torch.bfloat16).items()}
+        with torch.no_grad():
+            return model(**inputs).sample.float().cpu()
+
+    with dlo_runtime.from_pretrained(dirs["bf16"], mode="disabled", device="cuda:0") as lib:
+        expected = on_cuda(lib.model)
+    with dlo_runtime.from_pretrained(dirs["bf16"], host_plan="checkpoint-mmap", device="cuda:0",
+                                     progress=False) as loaded:
+        assert loaded.report.host_plan == "checkpoint-mmap" and loaded.report.bytes_materialized == 0
+        out = on_cuda(loaded.model)
+        assert loaded.backend.transport in ("registered", "staging", "unified")
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=0)

@@ -394,5 +394,5 @@ def _disabled(files: ModelFiles, cls: Any, dtype: torch.dtype, device: Any, bloc
     return LoadedModel(model, report, backend=backend)
 
 
-__all__ = ["HOST_PLANS", "HostWeightPlan", "PretrainedReport", "preflight", "LoadedModel", "ModelFiles", "PretrainedContract", "check_loaded", "find_blocks",
-           "from_pretrained", "model_files", "parameters_on_meta", "publish_groups", "resolve_class"]
+__all__ = ["HOST_PLANS", "HostWeightPlan", "PretrainedReport", "preflight", "LoadedModel", "ModelFiles",
+           "PretrainedContract", "check_loaded", "find_blocks", "from_pretrained", "model_files", "parameters_on_meta", "publish_groups", "resolve_class"]
