@@ -216,11 +216,13 @@ class LazyComponent:
         return dir(self._lazy_real if self._lazy_real is not None else self._lazy_shell)
 
     def _lazy_self_returning(self, method: str, *args: Any, **kwargs: Any) -> "LazyComponent":
+        # Recorded whether loaded or not (the last call per method): a reload
+        # must come back where the caller put it. Applied now when loaded.
+        pending = [p for p in self._lazy_pending if p[0] != method] + [(method, args, kwargs)]
+        object.__getattribute__(self, "__dict__")["_lazy_pending"] = pending
         real = self._lazy_real
         if real is not None:
             getattr(real, method)(*args, **kwargs)
-        else:
-            self._lazy_pending.append((method, args, kwargs))  # applied after each load
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> "LazyComponent":

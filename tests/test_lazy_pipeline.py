@@ -97,7 +97,9 @@ def test_proxies_are_honest_and_config_reads_load_nothing(two_calls):
     assert type(pipe.vae) is LazyComponent
     # Self-returning methods hand back the proxy: it stays releasable.
     pipe.vae = pipe.vae.to("cpu")
+    pipe.vae = pipe.vae.to("cpu")
     assert pipe.vae is lazy.components["vae"]
+    assert [m for m, _, _ in lazy.components["vae"]._lazy_pending] == ["to"]  # recorded once, applied per load
     assert pipe.transformer.eval() is pipe.transformer and pipe.text_encoder.requires_grad_(False) is pipe.text_encoder
     # Config-only reads: answered by the meta skeleton.
     assert pipe.vae.config.scaling_factor == pytest.approx(1.5035)
