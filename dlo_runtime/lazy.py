@@ -416,6 +416,10 @@ class LazyPipeline:
                 for n, rep in self.reports.items():
                     if rep.deferred:
                         rep.uses_per_call = self._uses.get(n, 0)
+                        unused = "deferred but not used in a call: nothing to release"
+                        if rep.uses_per_call == 0 and unused not in rep.notes:
+                            # Deferral that never acts is worth a look, not silence.
+                            rep.notes.append(unused)
                 problems = self._problems + self._release_all()
                 if problems:
                     raise FailedPrecondition(f"lazy pipeline {self.pipe_dir}: release failed: {problems}")

@@ -189,6 +189,20 @@ def test_img2img_holds_the_vae_from_encode_to_decode(pipe_dir, hwrd):
         assert max(b for _, _, b in lazy.timeline[mark:]) == sizes["transformer"] + sizes["vae"]
 
 
+def test_a_deferred_component_a_call_does_not_use_is_not_loaded_and_says_so(pipe_dir, hwrd):
+    with dlo_runtime.lazy_pipeline(pipe_dir, socket=hwrd.socket) as lazy:
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():  # precomputed embeddings: neither text encoder runs
+            lazy.pipe(prompt_embeds=torch.randn(1, 12, 32, generator=g).to(torch.bfloat16),
+                      pooled_prompt_embeds=torch.randn(1, 32, generator=g).to(torch.bfloat16), height=16, width=16,
+                      num_inference_steps=1, output_type="pt")
+        for name in ("text_encoder", "text_encoder_2"):
+            rep = lazy.reports[name]
+            assert rep.loads == 0 and rep.uses_per_call == 0
+            assert any("not used in a call" in n for n in rep.notes)
+        assert lazy.reports["transformer"].loads == 1 and not lazy.reports["transformer"].notes
+
+
 def test_an_unchecked_pipeline_class_loads_normally_and_says_so(pipe_dir, hwrd):
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
