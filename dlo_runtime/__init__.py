@@ -16,6 +16,9 @@
 - :func:`from_pretrained` — a diffusers / transformers model directory
   through HWR and DLO with one call (:mod:`dlo_runtime.pretrained`; the
   libraries are imported only when it runs).
+- :func:`lazy_pipeline` — a diffusers pipeline whose components load on
+  first use through it and release after their last use in a call
+  (:mod:`dlo_runtime.lazy`).
 """
 
 from dlo_runtime.allgather import ALLGATHER, BlockSequenceMismatch, CollectiveFailed
@@ -26,6 +29,7 @@ from dlo_runtime.cuda_host import CudaRegistrar, HostCapability, NullRegistrar, 
 from dlo_runtime.groups import GroupChoice, offload_group, validate_wave
 from dlo_runtime.options import OffloadOptions
 from dlo_runtime.pretrained import LoadedModel, from_pretrained
+from dlo_runtime.lazy import LazyPipeline, lazy_pipeline
 from dlo_runtime.restore import RestorePlan, RestoreResult, commit_restore, finalize_shared, plan_restore, restore_model
 from dlo_runtime.transaction import ModelRecipe, Stage, StartupResult, StartupTransaction, discard_model
 from dlo_runtime.transports import (
@@ -41,6 +45,6 @@ __all__ = [
     "REGISTERED", "Registrar", "RegistrationAborted", "RestorePlan", "RestoreResult", "STAGING", "Stage",
     "StartupResult", "StartupTransaction", "TransportChoice", "UNIFIED", "UnregisterFailed", "commit_restore",
     "discard_model", "enable_layerwise_offload", "finalize_shared", "from_pretrained", "iter_checkpoint",
-    "load_canonical_into", "LoadedModel",
+    "load_canonical_into", "LoadedModel", "LazyPipeline", "lazy_pipeline",
     "plan_restore", "restore_model", "retained",
 ]

@@ -167,9 +167,18 @@ def _t5_tokenizer(directory: str) -> Any:
     return T5TokenizerFast(tokenizer_file=path, extra_ids=0)
 
 
-def save_flux_pipeline(directory: str, *, seed: int = 0) -> str:
+def save_flux_pipeline(directory: str, *, seed: int = 0, wide: int = 1, shard: str = SHARD,
+                       t5: dict[str, Any] | None = None, transformer: dict[str, Any] | None = None,
+                       save_dtype: torch.dtype | None = None) -> str:
     """A tiny FluxPipeline (CLIP + T5 encoders, VAE, transformer, scheduler)
-    written with ``save_pretrained``; the transformer in several shards."""
+    written with ``save_pretrained``; the transformer in several shards.
+
+    ``wide`` multiplies the T5 feed-forward width and the transformer's
+    attention heads and block count (memory tests need components whose
+    sizes stand out of the process's noise; 1 is the tiny pipeline).
+    ``t5`` / ``transformer`` override config fields (``bench/pipelines.py``
+    builds a FLUX-shaped one); ``save_dtype`` casts the encoders and the
+    transformer before saving (default: as built, fp32)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
@@ -179,16 +188,28 @@ def save_flux_pipeline(directory: str, *, seed: int = 0) -> str:
     clip = CLIPTextModel(CLIPTextConfig(bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=32,
                                         intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
                                         vocab_size=len(clip_tok), projection_dim=32, max_position_embeddings=16))
-    t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4))
+    t5_cfg: dict[str, Any] = {"vocab_size": len(t5_tok), "d_model": 32 * wide, "d_kv": 8, "d_ff": 37 * wide * wide,
+                              "num_layers": 2 if wide == 1 else wide, "num_heads": 4, **(t5 or {})}
+    tr_cfg: dict[str, Any] = {"patch_size": 1, "in_channels": 4, "num_layers": 2 * (1 + (wide > 1)),
+                              "num_single_layers": 2 * (1 + (wide > 1)), "attention_head_dim": 16,
+                              "num_attention_heads": 2 * wide, "joint_attention_dim": t5_cfg["d_model"],
+                              "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8], **(transformer or {})}
+    old = torch.get_default_dtype()
+    if save_dtype is not None:
+        torch.set_default_dtype(save_dtype)  # built in the saved dtype: no fp32 copy of a big component
+    try:
+        t5_model = T5EncoderModel(T5Config(**t5_cfg))
+        flux = FluxTransformer2DModel(**tr_cfg)
+    finally:
+        torch.set_default_dtype(old)
+    if save_dtype is not None:
+        clip.to(save_dtype)
     vae = AutoencoderKL(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
                         latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
                         shift_factor=0.0609, scaling_factor=1.5035)
-    transformer = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2,
-                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                         pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
     pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip, tokenizer=clip_tok,
-                        text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer)
-    pipe.save_pretrained(directory, max_shard_size=SHARD)
+                        text_encoder_2=t5_model, tokenizer_2=t5_tok, transformer=flux)
+    pipe.save_pretrained(directory, max_shard_size=shard)
     return directory
 
 

@@ -60,12 +60,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_client.resolve import Mode, Outcome, parse_mode
 
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
 from dlo_runtime.pretrained.files import ModelFiles, import_library, model_files, resolve_class
+from dlo_runtime.pretrained.hostplan import HOST_PLANS, CheckpointMapping, HostWeightPlan, describe, preflight
 from dlo_runtime.pretrained.skeleton import (check_loaded, dtype_of, find_blocks, nparams, parameters_on_meta,
                                               publish_groups)
 from dlo_runtime.restore import tensor_slots
@@ -90,6 +91,9 @@ class PretrainedReport:
         notes: anything worth a look (streamed blocks under half the model).
         publish: the publish-after-load report on a preferred miss.
         trail: the startup transaction's steps.
+        host_plan: the host-weight plan taken: ``"checkpoint-mmap"``,
+            ``"hwr"`` or ``"ordinary"``; ``host_plan_reason`` why
+            (:mod:`dlo_runtime.pretrained.hostplan`).
     """
 
     outcome: str
@@ -106,6 +110,8 @@ class PretrainedReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     publish: dict[str, Any] | None = None
     trail: list[str] = dataclasses.field(default_factory=list)
+    host_plan: str = "hwr"
+    host_plan_reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready values."""
@@ -197,6 +203,7 @@ def from_pretrained(
     fuse_qkv: bool = False,
     socket: str | None = None,
     progress: bool = True,
+    host_plan: str = "hwr",
 ) -> LoadedModel:
     """Loads a diffusers / transformers model through HWR (and DLO).
 
@@ -217,6 +224,14 @@ def from_pretrained(
             layout (its own key).
         socket: daemon runtime socket (default: the client's).
         progress: print publication progress to stderr.
+        host_plan: where host weights come from
+            (:mod:`~dlo_runtime.pretrained.hostplan`): ``"hwr"`` (default,
+            the behaviour above), ``"ordinary"`` (the library's own load,
+            as ``mode="disabled"``), ``"checkpoint-mmap"`` (read-only views
+            of the checkpoint's mapping; raises when preflight refuses),
+            ``"auto"`` (checkpoint-mmap where preflight passes and ``mode``
+            is not ``"required"``, else HWR in ``mode``). The report says
+            which was taken and why.
 
     Returns:
         The :class:`LoadedModel`; close it (or use ``with``).
@@ -229,12 +244,30 @@ def from_pretrained(
     """
     t0 = time.perf_counter()
     mode = parse_mode(mode)
+    if host_plan not in HOST_PLANS:
+        raise InvalidArgument(f"host_plan={host_plan!r}: expected one of {list(HOST_PLANS)}")
     files = model_files(os.fspath(model_dir), subfolder)
     cls = resolve_class(files, model_class)
     target = dtype_of(dtype)
     seconds: dict[str, float] = {}
-    if mode is Mode.DISABLED:
-        return _disabled(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0)
+    refused: HostWeightPlan | None = None
+    if host_plan == "checkpoint-mmap" or (host_plan == "auto" and mode is not Mode.REQUIRED):
+        contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
+        skeleton = contract.build_skeleton()
+        plan = preflight(skeleton, files.weights, contract.blocks(skeleton),
+                         transforms=("fuse_qkv",) if fuse_qkv else ())
+        if plan.accepted:
+            return _checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0)
+        if host_plan == "checkpoint-mmap":
+            raise FailedPrecondition(f"{files.directory}: host_plan='checkpoint-mmap' refused by preflight: "
+                                     f"{plan.reason}; use host_plan='auto' to fall back to HWR")
+        refused = plan
+        del skeleton
+    if mode is Mode.DISABLED or host_plan == "ordinary":
+        loaded = _disabled(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0)
+        loaded.report.host_plan = "ordinary"
+        loaded.report.host_plan_reason = describe(refused, "ordinary")
+        return loaded
     from dlo_runtime.options import OffloadOptions
     from dlo_runtime.transaction import ModelRecipe, StartupTransaction
 
@@ -273,6 +306,7 @@ def from_pretrained(
     model, backend = result.model, result.backend
     report = PretrainedReport(result.outcome.value, identity.key, contract.name, contract.library_version,
                               trail=[f"{s.what}: {s.note}" if s.note else s.what for s in result.trail])
+    report.host_plan_reason = describe(refused, "hwr")
     report.producer_calls = contract.counters.producer_calls
     report.checkpoint_bytes_read = contract.counters.checkpoint_bytes_read
     report.bytes_materialized = contract.counters.bytes_materialized
@@ -299,6 +333,38 @@ def from_pretrained(
     log.info("from_pretrained %s: %s in %.3fs (materialized %d bytes, %d producer calls)", contract.name,
              report.outcome, seconds["total"], report.bytes_materialized, report.producer_calls)
     return loaded
+
+
+def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: HostWeightPlan, device: Any,
+                     resident_blocks: int, t0: float) -> LoadedModel:
+    """An accepted plan: runtime tensors are read-only views of the
+    checkpoint's mapping; DLO streams each block's span (or, with no
+    device, every block stays resident on those views). Nothing published."""
+    from dlo_runtime.backend import OffloadBackend
+    from dlo_runtime.options import OffloadOptions
+    from dlo_runtime.restore import finalize_shared
+
+    mapping = CheckpointMapping(plan)
+    try:
+        mapping.bind(skeleton)
+        check_loaded(skeleton, contract.name)
+        # eval / no grad must be byte- and pointer-neutral on the views (read-only: pointers prove it).
+        finalize_shared(skeleton, contract.finalize, regions=mapping.regions())
+        found = contract.blocks(skeleton)
+        options = (OffloadOptions(device="cpu", resident_blocks=len(found)) if device is None
+                   else OffloadOptions(device=device, resident_blocks=resident_blocks))
+        report = PretrainedReport(Outcome.DISABLED.value, "", contract.name, contract.library_version,
+                                  host_plan="checkpoint-mmap", host_plan_reason=describe(plan, "checkpoint-mmap"))
+        report.bytes_materialized = private_bytes(skeleton, mapping.regions())
+        # The exact plan object reaches DLO: the mapping answers the lease API from it.
+        backend = OffloadBackend(skeleton, found, options, source=mapping).start()
+    except BaseException:
+        mapping.close()
+        raise
+    if device is not None:
+        _block_report(skeleton, found[options.resident_blocks:], report)
+    report.seconds = {"total": round(time.perf_counter() - t0, 6)}
+    return LoadedModel(skeleton, report, backend=backend, contract=contract)
 
 
 def _disabled(files: ModelFiles, cls: Any, dtype: torch.dtype, device: Any, blocks: Any, resident_blocks: int,
@@ -328,5 +394,5 @@ def _disabled(files: ModelFiles, cls: Any, dtype: torch.dtype, device: Any, bloc
     return LoadedModel(model, report, backend=backend)
 
 
-__all__ = ["PretrainedReport", "LoadedModel", "ModelFiles", "PretrainedContract", "check_loaded", "find_blocks",
-           "from_pretrained", "model_files", "parameters_on_meta", "publish_groups", "resolve_class"]
+__all__ = ["HOST_PLANS", "HostWeightPlan", "PretrainedReport", "preflight", "LoadedModel", "ModelFiles",
+           "PretrainedContract", "check_loaded", "find_blocks", "from_pretrained", "model_files", "parameters_on_meta", "publish_groups", "resolve_class"]

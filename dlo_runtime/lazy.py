@@ -1,0 +1,587 @@
+"""Whole pipelines in small memory: components that load on first use,
+release after their last use in a call, and reload warm from HWR.
+
+A diffusers pipeline materializes every component before its first stage,
+so its peak is the sum of the components although no two of FLUX's are
+needed at once. :func:`lazy_pipeline` builds the real pipeline with
+:class:`LazyComponent` proxies in place of the listed components. A proxy
+loads its component through :func:`dlo_runtime.from_pretrained` (so through
+HWR: the first load publishes, every reload is a ``LOCAL_HIT``, a lease and
+views, nothing materialized) on first use, and the pipeline releases it
+after its last use in a call. Peak memory becomes the largest set in use at
+once.
+
+The release policy (the README's "Lazy pipelines and host-weight plans"):
+
+- a *use* is a completed call of the component (``proxy(...)``) or of one of
+  its public methods (``vae.decode(...)``; private housekeeping such as
+  diffusers' ``_reset_stateful_cache`` is not a use); reads that only need the config
+  (``config``, ``dtype``, ``device``, plain attributes the constructor set)
+  are answered from a meta skeleton and load nothing;
+- the first call loads each component on first use and releases everything
+  it loaded when it returns, counting each component's uses;
+- from the second call on, a component is released right after the use that
+  was its last one in the previous call; a use after that (the call took
+  another path) reloads it, and the counts are updated when the call ends;
+- every call, successful or not, releases what is still loaded on the way
+  out; a failing release never replaces the exception being raised (it is
+  logged and added to it as a note);
+- a component whose tensors changed after load (bytes or data pointers,
+  checked with :func:`dlo_runtime.restore.snapshot` at release: pointers for
+  the lease's read-only views, xxh3 of private bytes) or that had an
+  attribute set through its proxy is *refused for deferral*: it stays
+  resident from then on, so it never comes back different, and the report
+  says why.
+
+Deferral is opt-in per pipeline class (:data:`CHECKED_PIPELINES`): only the
+listed components of a checked class defer; an unchecked class loads every
+component with its own ``from_pretrained`` and the report says so (the
+seed's lesson: a stage that mutates a component or reads an attribute that
+materializes it makes release unsafe or useless, so each class is checked
+first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument
+
+from dlo_runtime.placement import OffloadDecision, host_offload
+
+log = logging.getLogger(__name__)
+
+#: Pipeline classes whose components were checked for release and reload
+#: (no stage mutates them after load; no stage reads an attribute that needs
+#: weights before their use), with the components that may defer.
+CHECKED_PIPELINES: dict[str, tuple[str, ...]] = {
+    "FluxPipeline": ("text_encoder", "text_encoder_2", "transformer", "vae"),
+    # The VAE encodes the input image before denoising and decodes after:
+    # its last use is the decode, so it overlaps the transformer.
+    "FluxImg2ImgPipeline": ("text_encoder", "text_encoder_2", "transformer", "vae"),
+}
+
+DEFAULT_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae")
+
+#: Methods that return the module itself: on the proxy they return the proxy,
+#: so ``pipe.vae = pipe.vae.to(device)`` keeps it releasable.
+_SELF_RETURNING = ("to", "eval", "train", "requires_grad_", "cpu", "cuda", "float", "half", "bfloat16")
+
+#: Methods a released component can answer without loading: a fresh reload
+#: has no state to reset.
+_STATELESS_WHEN_RELEASED = ("_reset_stateful_cache",)
+
+
+@dataclasses.dataclass
+class ComponentReport:
+    """One component of a :class:`LazyPipeline`.
+
+    Attributes:
+        name: the pipeline attribute (``"transformer"``).
+        deferred: loaded on first use and released after its last use.
+        why: why it is (or is not) deferred.
+        plan: the load path: ``<outcome> (<placement>)`` of the last load.
+        loads: completed loads (the first and every reload).
+        load_seconds: wall seconds of each load, in order.
+        bytes_materialized: private bytes each load allocated (0 on a warm
+            reload).
+        outcomes: the :func:`from_pretrained` outcome of each load.
+        resident_bytes: tensor bytes the loaded component holds (its peak
+            memory contribution while loaded: private plus mapped pages).
+        uses_per_call: uses counted in the last completed call (the release
+            point of the next one).
+        unplanned_reloads: reloads inside a call after a planned release.
+        notes: anything worth a look.
+    """
+
+    name: str
+    deferred: bool
+    why: str
+    plan: str = ""
+    loads: int = 0
+    load_seconds: list[float] = dataclasses.field(default_factory=list)
+    bytes_materialized: list[int] = dataclasses.field(default_factory=list)
+    outcomes: list[str] = dataclasses.field(default_factory=list)
+    resident_bytes: int = 0
+    uses_per_call: int | None = None
+    unplanned_reloads: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def _tensor_bytes(model: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in model.state_dict(keep_vars=True).values():
+        if t.is_meta:
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+class LazyComponent:
+    """A pipeline component that loads on first use (see the module doc).
+
+    ``isinstance(proxy, ComponentClass)`` is True (``__class__`` is
+    forwarded); ``to``/``eval``/``requires_grad_``... return the proxy;
+    config-only reads load nothing. Built by :func:`lazy_pipeline`.
+    """
+
+    def __init__(self, owner: "LazyPipeline", name: str, cls: type, shell: nn.Module):
+        d = object.__getattribute__(self, "__dict__")
+        d.update(_lazy_owner=owner, _lazy_name=name, _lazy_cls=cls, _lazy_shell=shell,
+                 _lazy_loaded=None, _lazy_real=None, _lazy_snapshot=None, _lazy_regions=(),
+                 _lazy_pending=[], _lazy_refused="")
+        # diffusers records a component's (library, class) from __module__.
+        d["__module__"] = cls.__module__
+
+    # -- identity ---------------------------------------------------------------
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D401 - isinstance stays honest (FSDP / compile checks branch on it)
+        return object.__getattribute__(self, "_lazy_cls")
+
+    def __repr__(self) -> str:
+        state = "loaded" if self._lazy_real is not None else "released"
+        return f"<LazyComponent {self._lazy_name}: {self._lazy_cls.__name__} ({state})>"
+
+    @property
+    def is_loaded(self) -> bool:
+        """Whether the component is in memory now."""
+        return self._lazy_real is not None
+
+    # -- loading and release ----------------------------------------------------
+
+    def _lazy_materialize(self) -> nn.Module:
+        real = self._lazy_real
+        if real is None:
+            real = self._lazy_owner._load(self)
+        return real
+
+    def _lazy_release(self) -> bool:
+        """Releases the loaded component unless it changed after load.
+
+        Returns:
+            True when released; False when nothing was loaded or it was
+            refused for deferral (kept resident).
+        """
+        return self._lazy_owner._release(self)
+
+    # -- attribute access -------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_lazy_"):
+            raise AttributeError(name)
+        real = self._lazy_real
+        if real is None:
+            if name in _STATELESS_WHEN_RELEASED and hasattr(self._lazy_shell, name):
+                return lambda *a, **k: None
+            if name == "device":
+                return self._lazy_owner._device_of()
+            # Config-only reads: the meta skeleton has the config, the dtypes
+            # and every plain attribute its constructor set; no weight.
+            value = getattr(self._lazy_shell, name)  # AttributeError: the real one lacks it too
+            if name in ("config", "dtype") or not (callable(value) or isinstance(value, (torch.Tensor, nn.Module))):
+                return value
+            real = self._lazy_materialize()
+        value = getattr(real, name)
+        if callable(value) and not isinstance(value, (torch.Tensor, nn.Module)) and hasattr(value, "__self__"):
+            return self._lazy_owner._wrap_use(self, value)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A stage that writes into a component makes a reload come back
+        # different: from now on it stays resident.
+        real = self._lazy_materialize()
+        self._lazy_owner._refuse(self, f"attribute {name!r} set through the proxy after load")
+        setattr(real, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        real = self._lazy_materialize()
+        self._lazy_owner._refuse(self, f"attribute {name!r} deleted through the proxy after load")
+        delattr(real, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._lazy_owner._wrap_use(self, None)(*args, **kwargs)
+
+    def __dir__(self) -> list[str]:
+        return dir(self._lazy_real if self._lazy_real is not None else self._lazy_shell)
+
+    def _lazy_self_returning(self, method: str, *args: Any, **kwargs: Any) -> "LazyComponent":
+        # Recorded whether loaded or not (the last call per method): a reload
+        # must come back where the caller put it. Applied now when loaded.
+        pending = [p for p in self._lazy_pending if p[0] != method] + [(method, args, kwargs)]
+        object.__getattribute__(self, "__dict__")["_lazy_pending"] = pending
+        real = self._lazy_real
+        if real is not None:
+            getattr(real, method)(*args, **kwargs)
+        return self
+
+    def to(self, *args: Any, **kwargs: Any) -> "LazyComponent":
+        """``module.to(...)``; returns the proxy (applied on every load)."""
+        return self._lazy_self_returning("to", *args, **kwargs)
+
+    def eval(self) -> "LazyComponent":
+        """``module.eval()``; returns the proxy."""
+        return self._lazy_self_returning("eval")
+
+    def train(self, mode: bool = True) -> "LazyComponent":
+        """``module.train(mode)``; returns the proxy."""
+        return self._lazy_self_returning("train", mode)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "LazyComponent":
+        """``module.requires_grad_(...)``; returns the proxy."""
+        return self._lazy_self_returning("requires_grad_", requires_grad)
+
+    def cpu(self) -> "LazyComponent":
+        """``module.cpu()``; returns the proxy."""
+        return self._lazy_self_returning("cpu")
+
+    def cuda(self, device: Any = None) -> "LazyComponent":
+        """``module.cuda(device)``; returns the proxy."""
+        return self._lazy_self_returning("cuda", device)
+
+
+class LazyPipeline:
+    """What :func:`lazy_pipeline` returns: ``pipe`` (the diffusers
+    pipeline, called as usual), ``components`` (the proxies), ``report``,
+    ``close()``."""
+
+    def __init__(self, pipe_dir: str, *, mode: str, dtype: str, decision: OffloadDecision, socket: str | None,
+                 host_plan: str | None):
+        self.pipe: Any = None
+        self.pipeline_name = ""
+        self.pipe_dir, self.mode, self.dtype = pipe_dir, mode, dtype
+        self.decision, self.socket, self.host_plan = decision, socket, host_plan
+        self.components: dict[str, LazyComponent] = {}
+        self.reports: dict[str, ComponentReport] = {}
+        self.notes: list[str] = []
+        self.calls = 0
+        self._held: dict[str, Any] = {}  # name -> LoadedModel while loaded
+        self._uses: dict[str, int] = {}  # uses in the current call
+        self._problems: list[str] = []  # releases that failed in the current call
+        self._in_call = False
+        self._closed = False
+        #: (seconds since the pipeline was made, resident component bytes)
+        #: at every load and release: the peak is the largest set at once.
+        self.timeline: list[tuple[float, str, int]] = []
+        self._t0 = time.perf_counter()
+
+    # -- loading ------------------------------------------------------------------
+
+    def _device_of(self) -> torch.device:
+        """Where every component computes (one device per lazy pipeline)."""
+        return torch.device(self.decision.device or "cpu")
+
+    def _load(self, proxy: LazyComponent) -> nn.Module:
+        import dlo_runtime
+
+        name = proxy._lazy_name
+        rep = self.reports[name]
+        if self._closed:
+            raise FailedPrecondition(f"lazy pipeline {self.pipe_dir}: {name} used after close()")
+        t = time.perf_counter()
+        kwargs: dict[str, Any] = {}
+        if self.host_plan is not None:
+            kwargs["host_plan"] = self.host_plan
+        device = self.decision.device if self.decision.offload else None
+        loaded = dlo_runtime.from_pretrained(self.pipe_dir, subfolder=name, mode=self.mode, dtype=self.dtype,
+                                             device=device, socket=self.socket, progress=False, **kwargs)
+        try:
+            real = loaded.model
+            if self.decision.device is not None and not self.decision.offload:
+                real.to(self.decision.device)  # resident on the device (unified memory: the same pool)
+            for method, args, kw in proxy._lazy_pending:
+                getattr(real, method)(*args, **kw)
+            from dlo_runtime.restore import snapshot
+
+            regions = loaded.lease.regions() if loaded.lease is not None else ()
+            # Taken now, proven at release: a reload must not come back different.
+            snap = snapshot(real, regions)
+        except BaseException:
+            loaded.close()
+            raise
+        d = object.__getattribute__(proxy, "__dict__")
+        d.update(_lazy_real=real, _lazy_loaded=loaded, _lazy_snapshot=snap, _lazy_regions=regions)
+        self._held[name] = loaded
+        if self._in_call and rep.loads > 0 and rep.uses_per_call is not None \
+                and self._uses.get(name, 0) >= rep.uses_per_call:
+            rep.unplanned_reloads += 1
+        rep.loads += 1
+        rep.load_seconds.append(round(time.perf_counter() - t, 6))
+        rep.bytes_materialized.append(int(loaded.report.bytes_materialized))
+        rep.outcomes.append(loaded.outcome.value)
+        placement = self.decision.reason
+        host = getattr(loaded.report, "host_plan", None)
+        rep.plan = f"{loaded.outcome.value}{f' / host plan {host}' if host else ''} ({placement})"
+        rep.resident_bytes = _tensor_bytes(real)
+        self._mark(f"load {name}")
+        return real
+
+    def _mark(self, what: str) -> None:
+        total = sum(self.reports[n].resident_bytes for n in self._held)
+        self.timeline.append((round(time.perf_counter() - self._t0, 6), what, total))
+
+    @property
+    def peak_component_bytes(self) -> int:
+        """The largest sum of loaded components' tensor bytes seen at once."""
+        return max((b for _, _, b in self.timeline), default=0)
+
+    def _refuse(self, proxy: LazyComponent, why: str) -> None:
+        rep = self.reports[proxy._lazy_name]
+        if rep.deferred:
+            rep.deferred = False
+            rep.why = f"refused for deferral: {why}; kept resident so it never reloads different"
+            log.warning("lazy pipeline: %s %s", proxy._lazy_name, rep.why)
+
+    def _release(self, proxy: LazyComponent) -> bool:
+        name = proxy._lazy_name
+        loaded = self._held.get(name)
+        if loaded is None:
+            return False
+        rep = self.reports[name]
+        if rep.deferred:
+            from dlo_runtime.restore import compare_snapshots, snapshot
+
+            changed = compare_snapshots(proxy._lazy_snapshot, snapshot(proxy._lazy_real, proxy._lazy_regions))
+            if changed:
+                self._refuse(proxy, f"its tensors changed after load ({changed[:3]})")
+        if not rep.deferred:
+            return False
+        from dlo_runtime.transaction import discard_model
+
+        d = object.__getattribute__(proxy, "__dict__")
+        real = d["_lazy_real"]
+        d.update(_lazy_real=None, _lazy_loaded=None, _lazy_snapshot=None, _lazy_regions=())
+        del self._held[name]
+        try:
+            # Meta first: a stray reference (a generator frame, a context
+            # manager still open) then fails loudly instead of reading an
+            # unmapped lease.
+            discard_model(real)
+            del real
+            loaded.close()
+        finally:
+            self._mark(f"release {name}")
+        return True
+
+    # -- the call boundary -----------------------------------------------------------
+
+    def _wrap_use(self, proxy: LazyComponent, method: Any) -> Callable[..., Any]:
+        name = proxy._lazy_name
+
+        def use(*args: Any, **kwargs: Any) -> Any:
+            fn = method if method is not None else proxy._lazy_materialize()
+            if proxy._lazy_real is None:
+                fn = getattr(proxy._lazy_materialize(), fn.__name__)  # released since the read: reload
+            out = fn(*args, **kwargs)
+            if self._in_call and (method is None or not method.__name__.startswith("_")):
+                self._uses[name] = self._uses.get(name, 0) + 1
+                planned = self.reports[name].uses_per_call
+                if planned is not None and self._uses[name] == planned:
+                    try:
+                        self._release(proxy)  # its last use in the previous call
+                    except Exception as exc:  # noqa: BLE001 - the use succeeded; reported when the call ends
+                        log.error("lazy pipeline: releasing %s failed: %s", name, exc)
+                        self._problems.append(f"{name}: {exc}")
+            return out
+
+        return use
+
+    def _call(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._in_call:  # a nested call (a pipeline calling itself): one boundary
+            return call(*args, **kwargs)
+        self._in_call, self._uses, self._problems = True, {}, []
+        ok = False
+        try:
+            out = call(*args, **kwargs)
+            ok = True
+            return out
+        except BaseException as exc:
+            for problem in self._problems + self._release_all():
+                exc.add_note(f"lazy pipeline: releasing after the failure also failed: {problem}")
+            raise
+        finally:
+            self._in_call = False
+            if ok:
+                self.calls += 1
+                for n, rep in self.reports.items():
+                    if rep.deferred:
+                        rep.uses_per_call = self._uses.get(n, 0)
+                        unused = "deferred but not used in a call: nothing to release"
+                        if rep.uses_per_call == 0 and unused not in rep.notes:
+                            # Deferral that never acts is worth a look, not silence.
+                            rep.notes.append(unused)
+                problems = self._problems + self._release_all()
+                if problems:
+                    raise FailedPrecondition(f"lazy pipeline {self.pipe_dir}: release failed: {problems}")
+
+    def _release_all(self) -> list[str]:
+        problems = []
+        for proxy in self.components.values():
+            try:
+                proxy._lazy_release()
+            except Exception as exc:  # noqa: BLE001 - collected; the caller decides what to raise
+                log.error("lazy pipeline: releasing %s failed: %s", proxy._lazy_name, exc)
+                problems.append(f"{proxy._lazy_name}: {exc}")
+        return problems
+
+    # -- reporting and teardown ----------------------------------------------------
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """Per component (plan and why, load seconds, bytes materialized,
+        resident bytes), the placement decision, the calls and the notes."""
+        return {"pipeline": self.pipeline_name, "calls": self.calls,
+                "placement": dataclasses.asdict(self.decision), "notes": list(self.notes),
+                "peak_component_bytes": self.peak_component_bytes,
+                "components": {n: dataclasses.asdict(r) for n, r in self.reports.items()}}
+
+    def close(self) -> None:
+        """Releases every loaded component, refused ones too. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for name in list(self._held):
+            loaded = self._held.pop(name)
+            proxy = self.components[name]
+            d = object.__getattribute__(proxy, "__dict__")
+            real, d["_lazy_real"], d["_lazy_loaded"] = d["_lazy_real"], None, None
+            from dlo_runtime.transaction import discard_model
+
+            discard_model(real)
+            loaded.close()
+        self.pipe = None
+
+    def __enter__(self) -> "LazyPipeline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _lazy_class(cls: type, owner: LazyPipeline) -> type:
+    """The pipeline class with a call boundary: same name, a subclass, so
+    ``isinstance(pipe, cls)`` and diffusers' own bookkeeping hold."""
+    call = cls.__call__
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return owner._call(call, self, *args, **kwargs)
+
+    def _execution_device(self: Any) -> torch.device:
+        # diffusers' own walks every component's modules() to look for group
+        # offload hooks, which would load them all; a lazy pipeline has none.
+        return owner._device_of()
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "_execution_device": property(_execution_device),
+                                       "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+def _shell(pipe_dir: str, name: str, dtype: str) -> tuple[type, nn.Module]:
+    """The component's class and meta skeleton (config, dtypes, structure;
+    no weight read)."""
+    from dlo_runtime.pretrained import PretrainedContract, model_files, resolve_class
+
+    files = model_files(pipe_dir, name)
+    cls = resolve_class(files)
+    return cls, PretrainedContract(files, cls, dtype=dtype).build_skeleton()
+
+
+def lazy_pipeline(
+    pipe_dir: str | os.PathLike[str],
+    *,
+    pipeline_class: Any = None,
+    components: Sequence[str] = DEFAULT_COMPONENTS,
+    mode: str = "preferred",
+    dtype: str = "bfloat16",
+    device: str | torch.device | None = None,
+    offload: bool | None = None,
+    socket: str | None = None,
+    host_plan: str | None = None,
+    **pipeline_kwargs: Any,
+) -> LazyPipeline:
+    """A diffusers pipeline whose listed components load on first use
+    through :func:`dlo_runtime.from_pretrained` and release after their last
+    use in a call (policy: the module doc).
+
+    Args:
+        pipe_dir: a pipeline directory (``model_index.json``).
+        pipeline_class: default: the class ``model_index.json`` names.
+        components: the components that may defer; only those the class is
+            checked for (:data:`CHECKED_PIPELINES`) do.
+        mode, dtype, socket: as for :func:`from_pretrained`.
+        device: compute device; None: resident on the CPU.
+        offload: DLO host offload (None: auto, see
+            :func:`dlo_runtime.placement.host_offload`; unified memory turns
+            it off).
+        host_plan: passed to :func:`from_pretrained` when given.
+        **pipeline_kwargs: to the pipeline class's own ``from_pretrained``
+            (``text_encoder=None``...).
+
+    Returns:
+        The :class:`LazyPipeline`; close it (or use ``with``).
+
+    Raises:
+        NotFound, InvalidArgument: no pipeline there, an unknown component.
+    """
+    import json
+
+    pipe_dir = os.fspath(pipe_dir)
+    index_path = os.path.join(pipe_dir, "model_index.json")
+    if not os.path.isfile(index_path):
+        from hwr_client.core.errors import NotFound
+
+        raise NotFound(f"pipeline directory {pipe_dir}: no model_index.json; expected a diffusers pipeline")
+    with open(index_path) as f:
+        index = json.load(f)
+    import diffusers
+
+    if pipeline_class is None:
+        pipeline_class = getattr(diffusers, str(index.get("_class_name")), None)
+        if pipeline_class is None:
+            raise InvalidArgument(f"{index_path}: class {index.get('_class_name')!r} is not in diffusers "
+                                  f"{diffusers.__version__}; pass pipeline_class=")
+    unknown = [c for c in components if c not in index]
+    if unknown:
+        raise InvalidArgument(f"lazy_pipeline {pipe_dir}: components {unknown} are not in {index_path}; "
+                              f"expected some of {sorted(k for k in index if not k.startswith('_'))}")
+    decision = host_offload(device, offload)
+    lazy = LazyPipeline(pipe_dir, mode=mode, dtype=dtype, decision=decision, socket=socket, host_plan=host_plan)
+    checked = CHECKED_PIPELINES.get(pipeline_class.__name__, ()) \
+        if pipeline_class.__module__.startswith("diffusers.") else ()
+    target = getattr(torch, dtype)
+    passed = dict(pipeline_kwargs)
+    for name in components:
+        if name in passed:
+            lazy.reports[name] = ComponentReport(name, False, "passed by the caller (pipeline_kwargs)")
+        elif name not in checked:
+            why = (f"{pipeline_class.__name__} is not a checked pipeline class (checked: {sorted(CHECKED_PIPELINES)})"
+                   if not checked else f"{name} is not checked for {pipeline_class.__name__} (checked: {checked})")
+            lazy.reports[name] = ComponentReport(name, False, f"loads normally: {why}")
+        else:
+            cls, shell = _shell(pipe_dir, name, dtype)
+            proxy = LazyComponent(lazy, name, cls, shell)
+            lazy.components[name] = proxy
+            lazy.reports[name] = ComponentReport(name, True, f"{pipeline_class.__name__} is checked for {name}")
+            passed[name] = proxy
+    if not checked:
+        lazy.notes.append(f"{pipeline_class.__name__}: not a checked pipeline class; every component loads "
+                          "normally (resident, the pipeline's own from_pretrained)")
+    if decision.unified_memory:
+        lazy.notes.append(decision.reason)
+    pipe = pipeline_class.from_pretrained(pipe_dir, dtype=target, local_files_only=True, **passed)
+    if lazy.components:
+        pipe.__class__ = _lazy_class(type(pipe), lazy)
+    lazy.pipe, lazy.pipeline_name = pipe, pipeline_class.__name__
+    return lazy
+
+
+__all__ = ["CHECKED_PIPELINES", "ComponentReport", "LazyComponent", "LazyPipeline", "lazy_pipeline"]
