@@ -94,7 +94,11 @@ class _TolerantServer:
         self._server = server
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        pass  # rebuilt from the method handlers in add_registered_method_handlers
+        # Rebuilt from the method handlers in add_registered_method_handlers,
+        # which the generated code (grpcio-tools >= 1.62, checked in) calls
+        # right after this; code generated without it would register no
+        # service at all, which every daemon test would show at once.
+        pass
 
     def add_registered_method_handlers(self, service: str, method_handlers: dict[str, Any]) -> None:
         wrapped = {name: h._replace(request_deserializer=_tolerant(h.request_deserializer))
