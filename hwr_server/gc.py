@@ -93,7 +93,10 @@ def _execute_one(item: GcItem, store: GcStore, is_pinned: Callable[[str], bool],
                  guard: Guard | None, deleted: set[str]) -> str:
     """Removes one item; returns "" on success or why it was kept."""
     if item.kind == "staging":
-        store.remove_staging(item.name)
+        if not store.remove_staging(item.name):
+            # A publication claimed it after the snapshot: its bytes are
+            # still on disk, so they must not be reported as freed.
+            return "claimed by a publication since planning"
     elif item.kind == "quarantine":
         store.remove_quarantine(item.name)
     elif item.kind == "artifact":

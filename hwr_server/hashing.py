@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import functools
 import hashlib
+import os
 import queue
 import threading
 from typing import Any, Callable, Sequence
@@ -219,9 +220,15 @@ class _Stage(threading.Thread):
             raise self.error
 
 
-def readback(path: str, whole: WholeHasher, parts: PartsHasher, data_start: int, size: int) -> int:
+def readback(fd: int, whole: WholeHasher, parts: PartsHasher, data_start: int, size: int) -> int:
     """Hashes a file from disk: the caller's thread reads and runs ``parts``
     while a helper thread runs ``whole`` (two SHA-256 streams overlap).
+
+    Args:
+        fd: the file, already opened and trust-checked by the caller
+            (``recovery.open_stored``). Read by offset from 0 (``pread``):
+            the fd's own offset is neither used nor moved. Never a path: a
+            name re-opened after the check could meanwhile name another file.
 
     Returns:
         Bytes read.
@@ -230,16 +237,15 @@ def readback(path: str, whole: WholeHasher, parts: PartsHasher, data_start: int,
     helper.start()
     total = 0
     try:
-        with open(path, "rb", buffering=0) as f:
-            while True:
-                buf = f.read(READ_BYTES)
-                if not buf:
-                    break
-                helper.q.put(buf)
-                if total + len(buf) > data_start:
-                    skip = max(0, data_start - total)
-                    parts.update(memoryview(buf)[skip:])
-                total += len(buf)
+        while True:
+            buf = os.pread(fd, READ_BYTES, total)
+            if not buf:
+                break
+            helper.q.put(buf)
+            if total + len(buf) > data_start:
+                skip = max(0, data_start - total)
+                parts.update(memoryview(buf)[skip:])
+            total += len(buf)
     finally:
         helper.finish()
     return total

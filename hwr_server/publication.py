@@ -72,6 +72,7 @@ from hwr_server.publication_limits import plan_limits
 from hwr_server.staging_io import Coverage, fsync_close, os_error, pwrite_all
 from hwr_server.hashing import WholeHasher, _Stage, parts_from_plan, readback, set_native_thread_name
 from hwr_server.peers import ANONYMOUS, Peer
+from hwr_server.recovery import Untrusted, open_stored
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,11 @@ class Publication:
     staging directory unless the commit completed."""
 
     def __init__(self, store: Any, checked: CheckedPlan, pub_id: str, declared_tensors: dict[str, str],
-                 peer: Peer = ANONYMOUS):
+                 peer: Peer = ANONYMOUS, *, max_pending_fsyncs: int = MAX_PENDING_FSYNCS):
+        if max_pending_fsyncs < 1:
+            raise InvalidArgument(f"max_pending_fsyncs {max_pending_fsyncs}: expected at least 1")
         self.store = store
+        self.max_pending_fsyncs = max_pending_fsyncs
         self.checked = checked
         self.key = checked.plan.identity.key
         self.pub_id = pub_id
@@ -133,7 +137,8 @@ class Publication:
 
     @classmethod
     def begin(cls, store: Any, msg: pb.PublishPlan, *, peer: Peer = ANONYMOUS,
-              is_active: Callable[[], bool] = lambda: True) -> "Publication":
+              is_active: Callable[[], bool] = lambda: True,
+              max_pending_fsyncs: int = MAX_PENDING_FSYNCS) -> "Publication":
         """Validates a plan, claims its key, takes the peer's and a global
         slot, reserves its bytes, checks capacity (without collecting),
         creates staging and writes the headers.
@@ -143,6 +148,8 @@ class Publication:
             msg: the wire plan.
             peer: who asks; per-peer slots and bytes are counted by ``peer.key``.
             is_active: False once the caller went away (ends a wait for a slot).
+            max_pending_fsyncs: finished files (ordered mode) whose fsync may
+                be pending at once (:data:`MAX_PENDING_FSYNCS`).
 
         Raises:
             InvalidArgument: bad plan. Aborted: the key is being published.
@@ -160,7 +167,7 @@ class Publication:
         except HwrError:
             store.count("rejected")
             raise
-        pub = cls(store, checked, uuid.uuid4().hex[:16], declared, peer)
+        pub = cls(store, checked, uuid.uuid4().hex[:16], declared, peer, max_pending_fsyncs=max_pending_fsyncs)
         try:
             pub._open(is_active)
         except BaseException:
@@ -338,7 +345,7 @@ class Publication:
             self._synced.add(fi)
             fd = self._open_fds.pop(fi)
             pending = [f for f in self._fsyncs if not f.done()]
-            if len(pending) >= MAX_PENDING_FSYNCS:
+            if len(pending) >= self.max_pending_fsyncs:
                 try:
                     pending[0].result()  # each pending fsync holds a descriptor: bound them
                 except OSError as exc:
@@ -433,7 +440,18 @@ class Publication:
         def one(i: int) -> None:
             lay = self.checked.layouts[i]
             self._whole[i] = WholeHasher()  # the read-back sees the header too
-            readback(self._file_path(i), self._whole[i], self._parts[i], lay.data_start, lay.file_size)
+            # The staging file is opened once, refused unless it is still a
+            # regular file of ours (no link planted in its place), and read
+            # through that fd only.
+            try:
+                fd, _ = open_stored(self._file_path(i), what=f"{self._what()} file {i}")
+            except (FileNotFoundError, Untrusted) as exc:
+                raise FailedPrecondition(f"{self._what()} file {i}: staging file cannot be read back ({exc}); "
+                                         "publish again") from None
+            try:
+                readback(fd, self._whole[i], self._parts[i], lay.data_start, lay.file_size)
+            finally:
+                os.close(fd)
 
         with ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="hwr-readback") as pool:
             for fut in [pool.submit(one, i) for i in range(self.n_files)]:

@@ -254,20 +254,6 @@ def _check_blob(store: Any, manifest: Manifest, f: Any) -> tuple[str, str]:
     return ("blob-header", problem) if problem else ("", "")
 
 
-def header_problem(manifest: Manifest, fi: int, path: str, size: int, what: str) -> str:
-    """"" when the blob's safetensors header parses and describes exactly the
-    manifest's tensors of file ``fi`` at their offsets; else the problem.
-    The blob is opened by :func:`open_stored` (a link or FIFO is a problem)."""
-    try:
-        fd, _ = open_stored(path, what=what)
-    except FileNotFoundError:
-        return f"{what}: blob missing at {path}"
-    except Untrusted as exc:
-        return str(exc)
-    with os.fdopen(fd, "rb") as fh:
-        return _header_problem_of(fh, manifest, fi, size, what)
-
-
 def _header_problem_of(fh: Any, manifest: Manifest, fi: int, size: int, what: str) -> str:
     try:
         # The parser bounds its own read (MAX_HEADER_BYTES) and the file size.
@@ -301,14 +287,20 @@ def verify_file(manifest: Manifest, fi: int, path: str) -> tuple[list[str], bool
         # A link or FIFO where a blob should be is never read (it could
         # block, or never end: /dev/zero).
         return [str(exc)], True, 0
-    os.close(fd)
-    size = st.st_size
-    problems = [f"{what}: size {size}, expected {f.size}"] if size != f.size else []
-    problem = header_problem(manifest, fi, path, size, what)
-    if problem:
-        problems.append(problem)
-    whole, parts = WholeHasher(), parts_from_manifest(manifest, fi)
-    nread = readback(path, whole, parts, f.data_start, size)
+    # Every read below goes through this one checked fd: re-opening the
+    # path would read whatever the name points to by then (a link swapped
+    # in after the check).
+    try:
+        size = st.st_size
+        problems = [f"{what}: size {size}, expected {f.size}"] if size != f.size else []
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as fh:
+            problem = _header_problem_of(fh, manifest, fi, size, what)
+        if problem:
+            problems.append(problem)
+        whole, parts = WholeHasher(), parts_from_manifest(manifest, fi)
+        nread = readback(fd, whole, parts, f.data_start, size)
+    finally:
+        os.close(fd)
     sha, xxh = whole.digests()
     bad = bool(problems) or sha != f.blob
     if sha != f.blob:

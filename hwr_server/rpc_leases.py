@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Iterator
 import grpc
 
 from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.digests import check_label_text
 from hwr_client.core.errors import InvalidArgument
 from hwr_server.leases import LeaseInfo
 from hwr_server.peers import peer_of
@@ -40,6 +41,7 @@ def session(c: Components, requests: Iterator[pb.SessionRequest], context: grpc.
     if first is None or first.WhichOneof("kind") != "open":
         raise InvalidArgument("session: expected SessionOpen as the first message")
     opened = first.open
+    check_label_text(opened.client_name, "Session: open.client_name")
     # The kernel's pid when the peer proved it (hwr_server.peers): what
     # operators see in `hwr leases` and in a refused delete must not be
     # whatever the client claims. The claim is used only for anonymous peers.

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.digests import check_label_text
 from hwr_client.core.errors import InvalidArgument
 from hwr_server.peers import peer_of
 
@@ -29,6 +30,7 @@ def admit(c: Components, request: pb.AdmitRegistrationRequest, context: grpc.Ser
           ) -> pb.AdmitRegistrationReply:
     """Admits or refuses a registration for the calling session."""
     sid = _session_id("AdmitRegistration", request.session_id)
+    check_label_text(request.label, "AdmitRegistration: label")
     # The kernel's pid when the peer proved it (as for sessions); operators
     # see it in the per-worker figures.
     peer = peer_of(context)

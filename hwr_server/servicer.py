@@ -23,9 +23,10 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.core.errors import HwrError, PermissionDenied, Unavailable, status_code_of
+from hwr_client.core.errors import HwrError, InvalidArgument, PermissionDenied, Unavailable, status_code_of
 from hwr_server import peers, rpc_gc, rpc_leases, rpc_registration, rpc_remote, rpc_sources, rpc_stats, rpc_store
 from hwr_server.admission import StreamAdmission
 
@@ -41,6 +42,69 @@ MUTATING_ADMIN_RPCS = frozenset({"DeleteArtifact", "CollectGarbage", "VerifyArti
 #: or an iterator of replies for a streaming rpc. Requests and replies are
 #: protobuf messages of many types; the handlers' own signatures name them.
 Handler = Callable[["Components", Any, grpc.ServicerContext], Any]
+
+
+class _Undecodable:
+    """What the request deserializer hands the handler for bytes that do not
+    parse as the rpc's request message (e.g. a string field that is not valid
+    UTF-8). gRPC's own deserializer failure answers INTERNAL before any
+    handler runs; this lets the handler answer INVALID_ARGUMENT naming the
+    rpc instead."""
+
+    __slots__ = ("message_type", "error")
+
+    def __init__(self, message_type: str, error: str):
+        self.message_type = message_type
+        self.error = error
+
+    def refusal(self, rpc: str) -> InvalidArgument:
+        return InvalidArgument(f"{rpc}: the request is not a valid {self.message_type} message ({self.error}); "
+                               "expected a protobuf message whose strings are valid UTF-8")
+
+
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    message_type = getattr(getattr(deserializer, "__self__", None), "__name__", "request")
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return _Undecodable(message_type, str(exc) or "cannot parse")
+
+    return deserialize
+
+
+def _decoded(rpc: str, request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise request.refusal(rpc)
+    return request
+
+
+def _decoded_stream(rpc: str, requests: Iterator[Any]) -> Iterator[Any]:
+    for request in requests:
+        yield _decoded(rpc, request)
+
+
+class _TolerantServer:
+    """Stands in for the grpc server while the generated ``add_*_to_server``
+    registers a service: the same method handlers, each with its request
+    deserializer wrapped by :func:`_tolerant`."""
+
+    def __init__(self, server: grpc.Server):
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        # Rebuilt from the method handlers in add_registered_method_handlers,
+        # which the generated code (grpcio-tools >= 1.62, checked in) calls
+        # right after this; code generated without it would register no
+        # service at all, which every daemon test would show at once.
+        pass
+
+    def add_registered_method_handlers(self, service: str, method_handlers: dict[str, Any]) -> None:
+        wrapped = {name: h._replace(request_deserializer=_tolerant(h.request_deserializer))
+                   for name, h in method_handlers.items()}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
+        self._server.add_registered_method_handlers(service, wrapped)
 
 
 def _abort(context: grpc.ServicerContext, rpc: str, exc: BaseException) -> None:
@@ -72,7 +136,8 @@ def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool 
                 # Counted before the first read: a refused stream frees its
                 # thread here, and an admitted one must send in time.
                 with self.admission.admitted(peer, rpc, context):
-                    requests = self.admission.first_message_deadline(request, context, peer, rpc)
+                    requests = self.admission.first_message_deadline(_decoded_stream(rpc, request), context,
+                                                                     peer, rpc)
                     yield from func(self.components, requests, context)
             except Exception as exc:  # noqa: BLE001 - translated, never swallowed
                 if isinstance(exc, grpc.RpcError) or context.code() is not None:
@@ -87,7 +152,7 @@ def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool 
         def reply_stream(self: _Base, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
                 check(self)
-                yield from func(self.components, request, context)
+                yield from func(self.components, _decoded(rpc, request), context)
             except Exception as exc:  # noqa: BLE001 - translated, never swallowed
                 if isinstance(exc, grpc.RpcError) or context.code() is not None:
                     raise
@@ -99,7 +164,7 @@ def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool 
     def unary(self: _Base, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             check(self)
-            return func(self.components, request, context)
+            return func(self.components, _decoded(rpc, request), context)
         except Exception as exc:  # noqa: BLE001 - translated, never swallowed
             # context.abort raises an Exception subclass; let it through.
             if context.code() is not None:
@@ -172,7 +237,8 @@ def add_to_server(server: grpc.Server, components: Components, *, ready: Callabl
         admission: the stream caps of this socket (one per socket: each has
             its own thread pool).
     """
+    tolerant = _TolerantServer(server)
     pb_grpc.add_RuntimeServicer_to_server(
-        RuntimeServicer(components, ready=ready, admin=admin, admission=admission), server)
+        RuntimeServicer(components, ready=ready, admin=admin, admission=admission), tolerant)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(components, ready=ready, admin=admin, admission=admission),
-                                        server)
+                                        tolerant)

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import shutil
+import stat
 import threading
 from typing import Iterator
 
@@ -61,8 +62,10 @@ class Store:
         self.artifacts_dir = os.path.join(self.root, "artifacts")
         self.staging_dir = os.path.join(self.root, "staging")
         self.quarantine_dir = os.path.join(self.root, "quarantine")
-        for d in (self.blobs_dir, self.artifacts_dir, self.staging_dir, self.quarantine_dir):
-            os.makedirs(d, mode=0o755, exist_ok=True)
+        os.makedirs(self.root, mode=0o755, exist_ok=True)
+        for d in (os.path.dirname(self.blobs_dir), self.blobs_dir, self.artifacts_dir, self.staging_dir,
+                  self.quarantine_dir):
+            _layout_dir(d)
         #: hook(nbytes, evict=, who=) run at publication plan (a dry run) and
         #: at its first payload chunk; raises ResourceExhausted.
         #: The daemon's wiring sets it once, before recovery, to the
@@ -493,6 +496,38 @@ class Store:
                 bytes_published=sum({f.blob: f.size for m in self._index.values() for f in m.files}.values()),
                 bytes_quarantined=quarantined_bytes, bytes_staging=staging_bytes,
             )
+
+
+def _layout_dir(path: str) -> None:
+    """Creates one directory of the store's layout, or checks the one there.
+
+    Every store path is built as ``<root>/<layout dir>/<name>``, so a layout
+    directory replaced by a symbolic link would redirect every blob, staging
+    file or delete into wherever it points (another disk, another user's
+    files). Such a store is refused at start rather than followed; the root
+    itself may be a link (the operator's choice of where the store lives).
+
+    Raises:
+        FailedPrecondition: naming the path and what it is instead.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        os.mkdir(path, 0o755)
+        return
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        raise FailedPrecondition(
+            f"store layout directory {path} is a symbolic link (to {target!r}); expected a real directory "
+            "inside the store root (the daemon never follows a link out of its store); replace the link with "
+            "the directory, or point --root at the store's real location"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise FailedPrecondition(f"store layout directory {path} is {stat.filemode(st.st_mode)}, not a directory; "
+                                 "expected a real directory inside the store root")
 
 
 def _check_entry(name: str) -> None:

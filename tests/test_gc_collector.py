@@ -14,6 +14,7 @@ from hwr_client.core.errors import Aborted
 from hwr_client.core.plan import to_proto
 from hwr_client.tensors import build_plan
 from hwr_server import failpoints
+from hwr_server import gc as gc_module
 from hwr_server.config import ServerConfig
 from hwr_server.gc import Collector
 from hwr_server.leases import LeaseManager
@@ -87,4 +88,30 @@ def test_already_published_then_collected_is_aborted_and_publishes_again(tmp_pat
     redone = publish_inproc(store, plan, tensors)
     assert not redone.already_published and redone.key == first.key
     assert store.verify(first.key).ok
+    leases.stop()
+
+
+def test_staging_claimed_after_the_snapshot_is_kept_and_not_counted_freed(tmp_path, monkeypatch):
+    """A staging leftover is planned for removal, then a publication claims
+    that directory before the plan runs: ``remove_staging`` keeps it, and the
+    result must list it as kept, not count its bytes as freed."""
+    store, leases, gc = wired(tmp_path)
+    name = "pub-claimed-late"
+    os.makedirs(os.path.join(store.staging_dir, name))
+    with open(os.path.join(store.staging_dir, name, "f"), "wb") as f:
+        f.write(b"x" * 65536)
+    real_plan = gc_module.plan
+
+    def plan_then_claim(*args, **kwargs):
+        planned = real_plan(*args, **kwargs)
+        store.claim("k" * 64, name)  # what Publication.begin does for its staging dir
+        return planned
+
+    monkeypatch.setattr(gc_module, "plan", plan_then_claim)
+    gc_plan, result, deferred = gc.collect()
+    assert deferred == "" and result is not None
+    assert [i.name for i in gc_plan.items if i.kind == "staging"] == [name]
+    assert [(i.name, why) for i, why in result.skipped] == [(name, "claimed by a publication since planning")]
+    assert result.bytes_freed == 0 and gc.bytes_freed_total == 0
+    assert os.path.isdir(os.path.join(store.staging_dir, name))
     leases.stop()

@@ -628,3 +628,44 @@ def assert_staging_empty(daemon) -> None:
     while os.listdir(os.path.join(daemon.root, "staging")) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert os.listdir(os.path.join(daemon.root, "staging")) == []
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_pending_fsyncs_boundary(tmp_path, limit):
+    """Ordered mode: with the background fsync stalled, ``limit`` finished
+    files are handed to it without the writer waiting; finishing file
+    ``limit + 1`` waits until the oldest fsync is done (each pending fsync
+    holds a descriptor). The stall is a task queued ahead of the fsyncs on
+    the publication's own one-thread fsync executor."""
+    from tests.test_store import make_store
+
+    store = make_store(tmp_path)
+    tensors = {f"blocks.{i}.w": torch.full((4,), float(i)) for i in range(limit + 1)}  # one file per block
+    plan = build_plan(identity(t=f"fsyncs-{limit}"), tensors, file_target_bytes=1)
+    checked = check_plan(plan)
+    assert len(checked.layouts) == limit + 1
+    pub = Publication.begin(store, to_proto(plan), max_pending_fsyncs=limit)
+    gate = threading.Event()
+    pub._fsync_pool.submit(gate.wait, 60)  # every fsync queues behind it
+    files = [[(fi, off, bytes(d)) for off, d in iter_payload(lay, tensors, 4096)]
+             for fi, lay in enumerate(checked.layouts)]
+
+    def write(chunks) -> threading.Thread:
+        t = threading.Thread(target=lambda: [pub.write(*c) for c in chunks], daemon=True)
+        t.start()
+        return t
+
+    try:
+        first = write([c for f in files[:limit] for c in f])
+        first.join(30)
+        assert not first.is_alive()  # n finished files: no wait
+        last = write(files[limit])
+        last.join(0.5)
+        assert last.is_alive()  # n + 1: waits for the stalled fsync
+        gate.set()
+        last.join(30)
+        assert not last.is_alive()
+        assert not pub.commit().already_published
+    finally:
+        gate.set()
+        pub.close()

@@ -112,6 +112,21 @@ def check_path_text(path: str, what: str = "source path") -> None:
         raise InvalidArgument(f"{what} is {size} bytes long; expected at most {PATH_MAX - 1} (the kernel's PATH_MAX)")
 
 
+def check_label_text(text: str, what: str) -> None:
+    """Raises if a free-text label (a file label, a client name, a
+    registration label) contains a NUL byte. Labels never name files, but
+    they reach log lines, manifests and the lease index, where a NUL cuts the
+    text short for C readers (journald, sqlite's C API, ``strings``) and so
+    hides what follows it.
+
+    Raises:
+        InvalidArgument: naming ``what`` (e.g. ``Publish: files[2].name``).
+    """
+    if "\x00" in text:
+        raise InvalidArgument(f"{what} contains a NUL byte at offset {text.index(chr(0))}; "
+                              "expected text without NUL")
+
+
 def _broken_or(path: str, exc: OSError) -> HwrError:
     if isinstance(exc, FileNotFoundError) and os.path.islink(path):
         try:

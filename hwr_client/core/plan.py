@@ -16,6 +16,7 @@ import time
 from typing import Mapping, Sequence
 
 from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.digests import check_label_text
 from hwr_client.core.errors import InvalidArgument, ResourceExhausted
 from hwr_client.core.identity import Identity
 from hwr_client.core.layout import MAX_HEADER_BYTES, FileLayout, TensorSpec, layout_file
@@ -236,6 +237,7 @@ def check_plan_message(msg: pb.PublishPlan, limits: PlanLimits) -> None:
     if len(msg.identity_json) > limits.max_manifest_bytes:
         raise _exhausted("identity bytes", len(msg.identity_json), limits.max_manifest_bytes, "max_manifest_bytes")
     for fi, f in enumerate(msg.files):
+        check_label_text(f.name, f"publication plan: files[{fi}].name")
         header = 0
         for t in f.tensors:
             _check_name_bytes(t.name, f"file {fi} tensor", limits)
@@ -248,7 +250,8 @@ def check_plan_message(msg: pb.PublishPlan, limits: PlanLimits) -> None:
         if header > limits.max_header_bytes:
             raise _exhausted(f"file {fi} header bytes (at least)", header, limits.max_header_bytes,
                              "max_header_bytes")
-    for b in msg.blocks:
+    for bi, b in enumerate(msg.blocks):
+        check_label_text(b.prefix, f"publication plan: blocks[{bi}].prefix")
         _check_name_bytes(b.prefix, "block prefix", limits)
 
 
