@@ -41,15 +41,14 @@ import datetime
 import json
 import multiprocessing
 import os
-import shutil
 import socket
 import sys
-import tempfile
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import bench_dir, save_result  # noqa: E402
 from hwr_client.cli.workers import daemon_for  # noqa: E402
 from hwr_client.core.defaults import human, parse_size  # noqa: E402
 
@@ -265,16 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         print(table(json.load(open(args.render))))
         return 0
-    workdir = tempfile.mkdtemp(prefix="hwr-bench-allgather-", dir=args.dir)
-    try:
+    with bench_dir("allgather", args.dir) as workdir:
         doc = run(parse_size(args.size), [int(g) for g in args.ranks.split(",")], args.passes, workdir, args.socket)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     print(table(doc))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {args.out}")
+    save_result(doc, args.out, indent=1)
     failed = [f"{r['mode']} x{r['ranks']}" for r in doc["rows"] if not (r["outputs_equal"] and r["equal_to_cold"])]
     if failed:
         print(f"outputs differ: {failed}", file=sys.stderr)

@@ -31,11 +31,8 @@ written without a GPU at hand; the first CUDA run is its first run
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 import warnings
 
@@ -44,6 +41,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import bench_dir, save_result  # noqa: E402
 from dlo_runtime import enable_layerwise_offload, restore_model  # noqa: E402
 from dlo_runtime.cuda_host import CudaRegistrar, NullRegistrar  # noqa: E402
 from dlo_runtime.transports import register_regions, registration_decline_reason  # noqa: E402
@@ -410,17 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.quick:
         args.gib, args.width, args.tokens, args.repeats = 0.75, 2048, 4096, 2
-    directory = tempfile.mkdtemp(prefix="hwr-dlo-gpu-", dir=args.dir)
+    # The registration case writes its file next to the results: make the directory first.
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     disk_dir = args.disk_dir or os.path.dirname(os.path.abspath(args.out))
-    try:
+    with bench_dir("dlo-gpu", args.dir) as directory:
         result = run(args.gib, args.width, args.tokens, args.repeats, directory, args.reg_gib, disk_dir)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
     print(_table(result))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    print(f"wrote {args.out}")
+    save_result(result, args.out, indent=1, default=str)
     return 0 if all(result["checks"].values()) else 1
 
 

@@ -50,6 +50,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
+from bench.common import save_result  # noqa: E402
 import hwr_client  # noqa: E402
 from hwr_client.core._proto import hwr_pb2 as pb  # noqa: E402
 from hwr_client.cli.workers import daemon_for  # noqa: E402
@@ -184,10 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and args.seconds == p.get_default("seconds"):
         args.seconds = 3.0
     doc = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    save_result(doc, args.out)
     return 0
 
 

@@ -41,6 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
+from bench.common import save_result  # noqa: E402
 import hwr_client  # noqa: E402
 # Every child imports the client stack (grpc included), so the baseline
 # subtracts its memory from the hwr rows.
@@ -160,10 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.size = "64MiB"
     doc = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    save_result(doc, args.out)
     return 0
 
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import mmap
 import os
 import platform
@@ -61,6 +60,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.common import save_result  # noqa: E402
 from dlo_runtime.worker import pss_breakdown  # noqa: E402
 from hwr_client.cli.workers import WorkerProcesses, daemon_for  # noqa: E402
 from hwr_client.core.defaults import human, parse_size  # noqa: E402
@@ -483,9 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sizes, args.workers, args.big, args.repeat = "2MiB,8MiB", 2, False, 1
     doc = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
+    save_result(doc, args.out, indent=1, sort_keys=True, quiet=True)
     print_results(doc["results"])
     png = chart(doc, os.path.splitext(args.out)[0] + ".png")
     print(f"\nJSON: {args.out}" + (f"\nchart: {png}" if png else ""))

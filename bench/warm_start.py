@@ -49,6 +49,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.common import save_result  # noqa: E402
 import torch  # noqa: E402
 
 import hwr_client  # noqa: E402
@@ -230,10 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         args.size, args.scaling_size, args.repeat = "64MiB", "16MiB", 1
     args.scaling = [int(x) for x in str(args.scaling).split(",")]
     doc = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    save_result(doc, args.out)
     return 0
 
 
