@@ -274,12 +274,13 @@ def print_table(r: dict) -> None:
     print(f"  {s['hostile_streams']} hostile streams: {s['refused']} refused (cap {s['max_streams_anonymous']}), "
           f"outcomes {s['outcome_codes']}")
     at = h["at_limit"]
-    print(f"{'plan at the limit, ' + format(at['tensors'], ',') + ' tensors: s / RSS MiB':58} "
-          f"{at['seconds']:>8.2f} {at['rss_before_mib']:>4}->{at['rss_after_mib']:<4} "
-          f"{'accepted' if at['accepted'] else 'NOT accepted':>18}")
+    rss = f"{at['rss_before_mib']}->{at['rss_after_mib']}"
+    print(f"{'plan at the limit, ' + format(at['tensors'], ',') + ' tensors: s, daemon RSS MiB':58} "
+          f"{at['seconds']:8.2f} {rss:>9} {'(accepted)' if at['accepted'] else '(NOT accepted)'}")
     for row in h["refused"]:
-        print(f"{'plan of ' + format(row['tensors'], ',') + ' tensors: s to ' + row['code'] + ' / RSS MiB':58} "
-              f"{'':>18} {row['seconds']:>8.2f}  {row['rss_before_mib']:>4}->{row['rss_after_mib']:<4}")
+        rss = f"{row['rss_before_mib']}->{row['rss_after_mib']}"
+        print(f"{'plan of ' + format(row['tensors'], ',') + ' tensors: s, daemon RSS MiB':58} "
+              f"{'':18} {row['seconds']:8.2f} {rss:>9} ({row['code']})")
     print(f"{'publish behind ' + str(i['hogs']) + ' plan-only publications s (idle ' + format(i['publication_idle_s'], 'g') + ' s)':58} "
           f"{i['baseline_seconds']:>8.2f}{'':9} {i['legit_seconds']:>8.2f}{'' if i['legit_committed'] else ' FAIL':9}")
     print(f"  hogs ended: {i['hog_codes']}")
