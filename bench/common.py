@@ -68,3 +68,12 @@ def add_artifact_args(parser: argparse.ArgumentParser, name: str, quick: str, wh
     parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--dir", help=f"where {where} go (default: a temp dir under /var/tmp)")
     parser.add_argument("--out", default=result_path(f"{name}.json"))
+
+
+def add_daemon_args(parser: argparse.ArgumentParser, name: str, where: str) -> None:
+    """The options of the benches that start their own daemon unless given
+    one: --socket, --dir (help ``where``) and --out (default
+    bench/results/<name>.json)."""
+    parser.add_argument("--socket", help="use a running daemon (default: start one on a temp root)")
+    parser.add_argument("--dir", default=None, help=where)
+    parser.add_argument("--out", default=result_path(f"{name}.json"))

@@ -27,7 +27,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import save_result  # noqa: E402
+from bench.common import result_path, save_result  # noqa: E402
 from dlo_runtime import enable_layerwise_offload, restore_model  # noqa: E402
 from dlo_runtime.cuda_host import HostCapability  # noqa: E402
 from hwr_client.lease import local_lease  # noqa: E402
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: least sensitive to other load)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dlo_cpu.json"))
+    ap.add_argument("--out", default=result_path("dlo_cpu.json"))
     args = ap.parse_args(argv)
     if args.quick:
         args.blocks, args.width, args.tokens, args.repeats = 4, 128, 32, 2

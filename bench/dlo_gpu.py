@@ -41,7 +41,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import bench_dir, save_result  # noqa: E402
+from bench.common import bench_dir, result_path, save_result  # noqa: E402
 from dlo_runtime import enable_layerwise_offload, restore_model  # noqa: E402
 from dlo_runtime.cuda_host import CudaRegistrar, NullRegistrar  # noqa: E402
 from dlo_runtime.transports import register_regions, registration_decline_reason  # noqa: E402
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reg-gib", type=float, default=4.0, help="disk-file registration case size (0: skip)")
     ap.add_argument("--disk-dir", default=None,
                     help="directory on a disk filesystem for the registration case (default: the --out directory)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dlo_gpu.json"))
+    ap.add_argument("--out", default=result_path("dlo_gpu.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("dlo_gpu: no CUDA device; nothing measured (run bench/dlo_cpu.py on CPU)", file=sys.stderr)

@@ -56,7 +56,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench.common import save_result  # noqa: E402
+from bench.common import result_path, save_result  # noqa: E402
 
 GIB = 1 << 30
 #: 4 concurrent library workers are skipped above this much private memory
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dlo", action="store_true", help="add a warm row streaming blocks with DLO on the CPU")
     parser.add_argument("--workdir", help="checkpoints and store (default: a temp dir, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the temp workdir")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "real_models.json"))
+    parser.add_argument("--out", default=result_path("real_models.json"))
     # worker-process flags
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)

@@ -40,7 +40,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.common import save_result  # noqa: E402
+from bench.common import result_path, save_result  # noqa: E402
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 x 32 MiB, 50 warm rounds")
     parser.add_argument("--fadvise-only", action="store_true",
                         help="evict only the bench files (posix_fadvise), never the whole page cache")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "sources.json"))
+    parser.add_argument("--out", default=result_path("sources.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.rounds = "32MiB", 50
