@@ -41,15 +41,14 @@ import datetime
 import json
 import multiprocessing
 import os
-import shutil
 import socket
 import sys
-import tempfile
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import add_daemon_args, bench_dir, save_result  # noqa: E402
 from hwr_client.cli.workers import daemon_for  # noqa: E402
 from hwr_client.core.defaults import human, parse_size  # noqa: E402
 
@@ -256,25 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="512MiB", help="fp32 checkpoint size (runtime bf16 is about half)")
     ap.add_argument("--ranks", default="1,2,4", help="group sizes G")
     ap.add_argument("--passes", type=int, default=3, help="forward passes per rank (the first warms up)")
-    ap.add_argument("--socket", help="use a running daemon (default: start one on a temp root)")
-    ap.add_argument("--dir", default=None, help="parent of the temporary workdir")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "allgather.json"))
+    add_daemon_args(ap, "allgather", where="parent of the temporary workdir")
     ap.add_argument("--render", metavar="JSON", help="print the table of an earlier run and exit")
     args = ap.parse_args(argv)
     if args.render:
         print(table(json.load(open(args.render))))
         return 0
-    workdir = tempfile.mkdtemp(prefix="hwr-bench-allgather-", dir=args.dir)
-    try:
+    with bench_dir("allgather", args.dir) as workdir:
         doc = run(parse_size(args.size), [int(g) for g in args.ranks.split(",")], args.passes, workdir, args.socket)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     print(table(doc))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {args.out}")
+    save_result(doc, args.out, indent=1)
     failed = [f"{r['mode']} x{r['ranks']}" for r in doc["rows"] if not (r["outputs_equal"] and r["equal_to_cold"])]
     if failed:
         print(f"outputs differ: {failed}", file=sys.stderr)

@@ -15,7 +15,6 @@ Prints a table and writes JSON (default bench/results/dlo_cpu.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import result_path, save_result  # noqa: E402
 from dlo_runtime import enable_layerwise_offload, restore_model  # noqa: E402
 from dlo_runtime.cuda_host import HostCapability  # noqa: E402
 from hwr_client.lease import local_lease  # noqa: E402
@@ -206,16 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: least sensitive to other load)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dlo_cpu.json"))
+    ap.add_argument("--out", default=result_path("dlo_cpu.json"))
     args = ap.parse_args(argv)
     if args.quick:
         args.blocks, args.width, args.tokens, args.repeats = 4, 128, 32, 2
     result = run(args.blocks, args.width, args.tokens, args.repeats, args.threads)
     print(_table(result))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    save_result(result, args.out, indent=1)
     return 0 if all(result["parity"].values()) else 1
 
 

@@ -31,11 +31,8 @@ written without a GPU at hand; the first CUDA run is its first run
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 import warnings
 
@@ -44,6 +41,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import bench_dir, result_path, save_result  # noqa: E402
 from dlo_runtime import enable_layerwise_offload, restore_model  # noqa: E402
 from dlo_runtime.cuda_host import CudaRegistrar, NullRegistrar  # noqa: E402
 from dlo_runtime.transports import register_regions, registration_decline_reason  # noqa: E402
@@ -403,24 +401,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reg-gib", type=float, default=4.0, help="disk-file registration case size (0: skip)")
     ap.add_argument("--disk-dir", default=None,
                     help="directory on a disk filesystem for the registration case (default: the --out directory)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dlo_gpu.json"))
+    ap.add_argument("--out", default=result_path("dlo_gpu.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("dlo_gpu: no CUDA device; nothing measured (run bench/dlo_cpu.py on CPU)", file=sys.stderr)
         return 2
     if args.quick:
         args.gib, args.width, args.tokens, args.repeats = 0.75, 2048, 4096, 2
-    directory = tempfile.mkdtemp(prefix="hwr-dlo-gpu-", dir=args.dir)
+    # The registration case writes its file next to the results: make the directory first.
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     disk_dir = args.disk_dir or os.path.dirname(os.path.abspath(args.out))
-    try:
+    with bench_dir("dlo-gpu", args.dir) as directory:
         result = run(args.gib, args.width, args.tokens, args.repeats, directory, args.reg_gib, disk_dir)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
     print(_table(result))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    print(f"wrote {args.out}")
+    save_result(result, args.out, indent=1, default=str)
     return 0 if all(result["checks"].values()) else 1
 
 

@@ -50,6 +50,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
+from bench.common import add_daemon_args, save_result  # noqa: E402
 import hwr_client  # noqa: E402
 from hwr_client.core._proto import hwr_pb2 as pb  # noqa: E402
 from hwr_client.cli.workers import daemon_for  # noqa: E402
@@ -171,9 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=2000.0,
                    help="offered ops/s of the paced phase, spread over all clients (default 2000)")
     p.add_argument("--quick", action="store_true", help="3 s per phase")
-    p.add_argument("--socket", help="use a running daemon (default: start one on a temp root)")
-    p.add_argument("--dir", default=None)
-    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "lease_load.json"))
+    add_daemon_args(p, "lease_load", where="work directory parent (default: system temp)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--key", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, help=argparse.SUPPRESS)
@@ -184,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and args.seconds == p.get_default("seconds"):
         args.seconds = 3.0
     doc = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    save_result(doc, args.out)
     return 0
 
 

@@ -41,6 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
+from bench.common import add_daemon_args, save_result  # noqa: E402
 import hwr_client  # noqa: E402
 # Every child imports the client stack (grpc included), so the baseline
 # subtracts its memory from the hwr rows.
@@ -147,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=400)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--quick", action="store_true", help="64 MiB artifact")
-    p.add_argument("--socket", help="use a running daemon (default: start one on a temp root)")
-    p.add_argument("--dir", default=None, help="work directory parent (default: system temp)")
-    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "node_memory.json"))
+    add_daemon_args(p, "node_memory", where="work directory parent (default: system temp)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--tag", help=argparse.SUPPRESS)
     p.add_argument("--paths", help=argparse.SUPPRESS)
@@ -160,10 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.size = "64MiB"
     doc = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    save_result(doc, args.out)
     return 0
 
 

@@ -30,12 +30,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import pathlib
-import shutil
 import sys
-import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +43,7 @@ import torch  # noqa: E402
 from hwr_client.core.plan import check_plan  # noqa: E402
 from hwr_client.tensors import build_plan, iter_payload
 from hwr_client.core.defaults import parse_size  # noqa: E402
+from bench.common import add_artifact_args, bench_dir, result_command, save_result  # noqa: E402
 from tests.daemon import cleanup, make_daemon  # noqa: E402
 
 MB = 1e6
@@ -204,24 +202,14 @@ def print_table(r: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parses the options, runs the benchmark, prints and saves the numbers."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="2GiB", help="artifact payload size (default 2GiB)")
-    parser.add_argument("--blocks", type=int, default=40)
-    parser.add_argument("--quick", action="store_true", help="128 MiB: a smoke run")
-    parser.add_argument("--dir", help="where the store and raw files go (default: a temp dir under /var/tmp)")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "publish.json"))
+    add_artifact_args(parser, "publish", quick="128 MiB: a smoke run", where="the store and raw files")
     args = parser.parse_args(argv)
     size = parse_size("128MiB" if args.quick else args.size)
-    directory = tempfile.mkdtemp(prefix="hwr-bench-publish-", dir=args.dir or "/var/tmp")
-    try:
+    with bench_dir("publish", args.dir or "/var/tmp") as directory:
         result = run(size, args.blocks, directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    result["command"] = " ".join([os.path.basename(sys.executable), "bench/publish.py", *(argv or sys.argv[1:])])
+    result["command"] = result_command("bench/publish.py", argv)
     print_table(result)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2, sort_keys=True)
-    print(f"wrote {args.out}")
+    save_result(result, args.out, sort_keys=True)
     return 0
 
 

@@ -34,12 +34,10 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
 import pathlib
 import shutil
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,6 +49,7 @@ from publish import identity, make_tensors  # noqa: E402  (bench/publish.py)
 
 from hwr_client.core._proto import hwr_pb2 as pb  # noqa: E402
 from hwr_client.core.defaults import parse_size  # noqa: E402
+from bench.common import add_artifact_args, bench_dir, result_command, save_result  # noqa: E402
 from tests.daemon import cleanup, make_daemon  # noqa: E402
 from tests.oci_registry import make_registry, remote_config  # noqa: E402
 
@@ -178,24 +177,14 @@ def print_table(r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="2GiB", help="artifact payload size (default 2GiB)")
-    parser.add_argument("--blocks", type=int, default=40)
-    parser.add_argument("--quick", action="store_true", help="64 MiB: a smoke run")
-    parser.add_argument("--dir", help="where the registry, stores and files go (default: a temp dir under /var/tmp)")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "pull.json"))
+    add_artifact_args(parser, "pull", quick="64 MiB: a smoke run", where="the registry, stores and files")
     args = parser.parse_args(argv)
     size = parse_size("64MiB" if args.quick else args.size)
-    directory = tempfile.mkdtemp(prefix="hwr-bench-pull-", dir=args.dir or "/var/tmp")
-    try:
+    with bench_dir("pull", args.dir or "/var/tmp") as directory:
         result = run(size, args.blocks, directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    result["command"] = " ".join([os.path.basename(sys.executable), "bench/pull.py", *(argv or sys.argv[1:])])
+    result["command"] = result_command("bench/pull.py", argv)
     print_table(result)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2, sort_keys=True)
-    print(f"wrote {args.out}")
+    save_result(result, args.out, sort_keys=True)
     return 0
 
 

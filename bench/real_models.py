@@ -56,6 +56,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench.common import result_path, save_result  # noqa: E402
+
 GIB = 1 << 30
 #: 4 concurrent library workers are skipped above this much private memory
 #: (4 x the runtime model), as bench/startup.py does for its ordinary workers.
@@ -343,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dlo", action="store_true", help="add a warm row streaming blocks with DLO on the CPU")
     parser.add_argument("--workdir", help="checkpoints and store (default: a temp dir, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the temp workdir")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "real_models.json"))
+    parser.add_argument("--out", default=result_path("real_models.json"))
     # worker-process flags
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
@@ -357,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes, args.checkpoint_dtypes, args.concurrent = ["quick"], ["float32"], 2
     doc = run(args)
     print_results(doc["results"])
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2, sort_keys=True)
+    save_result(doc, args.out, sort_keys=True, quiet=True)
     png = chart(doc, os.path.splitext(args.out)[0] + ".png")
     _say(f"wrote {args.out}" + (f" and {png}" if png else ""))
     return 0

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -41,6 +40,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.common import result_path, save_result  # noqa: E402
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 x 32 MiB, 50 warm rounds")
     parser.add_argument("--fadvise-only", action="store_true",
                         help="evict only the bench files (posix_fadvise), never the whole page cache")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "sources.json"))
+    parser.add_argument("--out", default=result_path("sources.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.rounds = "32MiB", 50
@@ -236,10 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'metric':34} value")
     for k, v in result.items():
         print(f"{k:34} {v}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2, sort_keys=True)
-    print(f"wrote {args.out}")
+    save_result(result, args.out, sort_keys=True)
     return 0
 
 

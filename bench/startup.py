@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import mmap
 import os
 import platform
@@ -61,6 +60,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.common import add_daemon_args, save_result  # noqa: E402
 from dlo_runtime.worker import pss_breakdown  # noqa: E402
 from hwr_client.cli.workers import WorkerProcesses, daemon_for  # noqa: E402
 from hwr_client.core.defaults import human, parse_size  # noqa: E402
@@ -475,17 +475,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip N concurrent ordinary workers above N x artifact bytes (default 6GiB)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3, help="ordinary (hot and cold page cache) and warm single-worker runs (median)")
-    parser.add_argument("--socket", help="use a running daemon (default: start one on a temp root)")
-    parser.add_argument("--dir", default=None, help="where checkpoints and the store live (default: system temp)")
     parser.add_argument("--quick", action="store_true", help="2 MiB and 8 MiB, 2 workers")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "startup.json"))
+    add_daemon_args(parser, "startup", where="where checkpoints and the store live (default: system temp)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.workers, args.big, args.repeat = "2MiB,8MiB", 2, False, 1
     doc = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
+    save_result(doc, args.out, indent=1, sort_keys=True, quiet=True)
     print_results(doc["results"])
     png = chart(doc, os.path.splitext(args.out)[0] + ".png")
     print(f"\nJSON: {args.out}" + (f"\nchart: {png}" if png else ""))

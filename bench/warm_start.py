@@ -49,6 +49,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.common import add_daemon_args, save_result  # noqa: E402
 import torch  # noqa: E402
 
 import hwr_client  # noqa: E402
@@ -216,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scaling", default="40,400,4000", help="tensor counts for scaling")
     p.add_argument("--repeat", type=int, default=3, help="fresh processes per variant (median)")
     p.add_argument("--quick", action="store_true", help="64 MiB, scaling at 16 MiB, 1 repeat")
-    p.add_argument("--socket", help="use a running daemon (default: start one on a temp root)")
-    p.add_argument("--dir", default=None, help="work directory parent (default: system temp)")
-    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "warm_start.json"))
+    add_daemon_args(p, "warm_start", where="work directory parent (default: system temp)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--tag", help=argparse.SUPPRESS)
     p.add_argument("--paths", help=argparse.SUPPRESS)
@@ -230,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         args.size, args.scaling_size, args.repeat = "64MiB", "16MiB", 1
     args.scaling = [int(x) for x in str(args.scaling).split(",")]
     doc = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    save_result(doc, args.out)
     return 0
 
 
