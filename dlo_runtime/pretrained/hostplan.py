@@ -120,7 +120,8 @@ def preflight(skeleton: nn.Module, files: Sequence[str], blocks: Sequence[nn.Mod
     Args:
         skeleton: the runtime skeleton (meta parameters with runtime dtypes).
         files: its safetensors shards.
-        blocks: the blocks DLO will stream (each must be one span).
+        blocks: the blocks DLO will stream (each one span per shard it
+            touches; a block cut across shards is stitched at serving time).
         transforms: custom loader transforms that apply (``"fuse_qkv"``):
             any refuses the plan.
 
