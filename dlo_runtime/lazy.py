@@ -18,11 +18,21 @@ The release policy (the README's "Lazy pipelines and host-weight plans"):
   diffusers' ``_reset_stateful_cache`` is not a use); reads that only need the config
   (``config``, ``dtype``, ``device``, plain attributes the constructor set)
   are answered from a meta skeleton and load nothing;
-- the first call loads each component on first use and releases everything
-  it loaded when it returns, counting each component's uses;
-- from the second call on, a component is released right after the use that
-  was its last one in the previous call; a use after that (the call took
-  another path) reloads it, and the counts are updated when the call ends;
+- every call, the first one included, releases a component at its
+  *declared* last use: a checked class declares the order in which a call
+  uses its components (:attr:`CheckedPipeline.use_order`; FLUX: CLIP, T5,
+  transformer, VAE; img2img: CLIP, T5, VAE, transformer, VAE), a use moves
+  the call to the next stage naming that component, and entering a stage
+  releases every component whose last stage lies before it; so the first
+  call (often the only one a short-lived worker serves) holds the largest
+  set in use at once, not the sum;
+- each call counts each component's uses; from the second call on, a
+  component is also released right after the use that was its last one in
+  the previous call (earlier than the declared point where the counts know
+  more);
+- a use after a release (the call took another path) reloads it, counted in
+  ``unplanned_reloads`` and noted; a component whose declared release was
+  too early drops it from the next call on and keeps only the counted one;
 - every call, successful or not, releases what is still loaded on the way
   out; a failing release never replaces the exception being raised (it is
   logged and added to it as a note);
@@ -58,14 +68,47 @@ from dlo_runtime.placement import OffloadDecision, host_offload
 
 log = logging.getLogger(__name__)
 
+@dataclasses.dataclass(frozen=True)
+class CheckedPipeline:
+    """A pipeline class checked for release and reload.
+
+    Attributes:
+        components: the components that may defer.
+        use_order: the components in the order one call uses them; a
+            component may appear more than once (img2img's VAE encodes, then
+            decodes). A use (a call, a method, any load) moves the call to
+            the next stage naming the component, and entering a stage
+            releases every component whose last stage lies before it: the
+            first call's release points, before any use was counted.
+    """
+
+    components: tuple[str, ...]
+    use_order: tuple[str, ...]
+
+    def last_stage(self, name: str) -> int | None:
+        """Index of the last stage naming ``name`` (None: not declared)."""
+        found = [i for i, st in enumerate(self.use_order) if st == name]
+        return found[-1] if found else None
+
+    def next_stage(self, name: str, current: int) -> int | None:
+        """The first stage at or after ``current`` naming ``name`` (None:
+        this use is not on the declared path)."""
+        return next((i for i in range(current, len(self.use_order)) if self.use_order[i] == name), None)
+
+
 #: Pipeline classes whose components were checked for release and reload
 #: (no stage mutates them after load; no stage reads an attribute that needs
-#: weights before their use), with the components that may defer.
-CHECKED_PIPELINES: dict[str, tuple[str, ...]] = {
-    "FluxPipeline": ("text_encoder", "text_encoder_2", "transformer", "vae"),
+#: weights before their use), with the components that may defer and their
+#: declared use order (read from the classes' ``__call__`` in diffusers
+#: 0.42: ``encode_prompt`` runs CLIP, then T5; the transformer denoises; the
+#: VAE decodes).
+CHECKED_PIPELINES: dict[str, CheckedPipeline] = {
+    "FluxPipeline": CheckedPipeline(("text_encoder", "text_encoder_2", "transformer", "vae"),
+                                    ("text_encoder", "text_encoder_2", "transformer", "vae")),
     # The VAE encodes the input image before denoising and decodes after:
     # its last use is the decode, so it overlaps the transformer.
-    "FluxImg2ImgPipeline": ("text_encoder", "text_encoder_2", "transformer", "vae"),
+    "FluxImg2ImgPipeline": CheckedPipeline(("text_encoder", "text_encoder_2", "transformer", "vae"),
+                                           ("text_encoder", "text_encoder_2", "vae", "transformer", "vae")),
 }
 
 DEFAULT_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae")
@@ -97,7 +140,9 @@ class ComponentReport:
             memory contribution while loaded: private plus mapped pages).
         uses_per_call: uses counted in the last completed call (the release
             point of the next one).
-        unplanned_reloads: reloads inside a call after a planned release.
+        unplanned_reloads: reloads inside a call after a release in the
+            same call (declared or counted).
+        release: the release point the next call uses.
         notes: anything worth a look.
     """
 
@@ -112,6 +157,7 @@ class ComponentReport:
     resident_bytes: int = 0
     uses_per_call: int | None = None
     unplanned_reloads: int = 0
+    release: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -163,6 +209,9 @@ class LazyComponent:
     def _lazy_materialize(self) -> nn.Module:
         real = self._lazy_real
         if real is None:
+            # A load starts a use: what its stage ends goes first, so the
+            # two are never loaded together.
+            self._lazy_owner._before_use(self)
             real = self._lazy_owner._load(self)
         return real
 
@@ -268,6 +317,11 @@ class LazyPipeline:
         self._held: dict[str, Any] = {}  # name -> LoadedModel while loaded
         self._uses: dict[str, int] = {}  # uses in the current call
         self._problems: list[str] = []  # releases that failed in the current call
+        self.checked: CheckedPipeline | None = None
+        self._released_in_call: dict[str, str] = {}  # name -> "declared" | "counted"
+        self._declared_off: set[str] = set()  # declared release proved too early: counts only
+        self._early: set[str] = set()  # reloaded after a declared release in the current call
+        self._stage = 0  # the current call's position in the declared use order
         self._in_call = False
         self._closed = False
         #: (seconds since the pipeline was made, resident component bytes)
@@ -312,9 +366,17 @@ class LazyPipeline:
         d = object.__getattribute__(proxy, "__dict__")
         d.update(_lazy_real=real, _lazy_loaded=loaded, _lazy_snapshot=snap, _lazy_regions=regions)
         self._held[name] = loaded
-        if self._in_call and rep.loads > 0 and rep.uses_per_call is not None \
-                and self._uses.get(name, 0) >= rep.uses_per_call:
+        how = self._released_in_call.pop(name, None) if self._in_call else None
+        if how is not None:
+            # Used after its release in this call: the call took a path the
+            # declared order or the previous call's counts did not foresee.
             rep.unplanned_reloads += 1
+            note = f"used after its {how} release in a call: reloaded"
+            if note not in rep.notes:
+                rep.notes.append(note)
+            log.warning("lazy pipeline: %s %s", name, note)
+            if how == "declared":
+                self._early.add(name)
         rep.loads += 1
         rep.load_seconds.append(round(time.perf_counter() - t, 6))
         rep.bytes_materialized.append(int(loaded.report.bytes_materialized))
@@ -342,7 +404,7 @@ class LazyPipeline:
             rep.why = f"refused for deferral: {why}; kept resident so it never reloads different"
             log.warning("lazy pipeline: %s %s", proxy._lazy_name, rep.why)
 
-    def _release(self, proxy: LazyComponent) -> bool:
+    def _release(self, proxy: LazyComponent, how: str = "") -> bool:
         name = proxy._lazy_name
         loaded = self._held.get(name)
         if loaded is None:
@@ -362,6 +424,8 @@ class LazyPipeline:
         real = d["_lazy_real"]
         d.update(_lazy_real=None, _lazy_loaded=None, _lazy_snapshot=None, _lazy_regions=())
         del self._held[name]
+        if how and self._in_call:
+            self._released_in_call[name] = how
         try:
             # Meta first: a stray reference (a generator frame, a context
             # manager still open) then fails loudly instead of reading an
@@ -379,27 +443,57 @@ class LazyPipeline:
         name = proxy._lazy_name
 
         def use(*args: Any, **kwargs: Any) -> Any:
+            counted = method is None or not method.__name__.startswith("_")
+            if counted:
+                self._before_use(proxy)
             fn = method if method is not None else proxy._lazy_materialize()
             if proxy._lazy_real is None:
                 fn = getattr(proxy._lazy_materialize(), fn.__name__)  # released since the read: reload
             out = fn(*args, **kwargs)
-            if self._in_call and (method is None or not method.__name__.startswith("_")):
+            if self._in_call and counted:
                 self._uses[name] = self._uses.get(name, 0) + 1
                 planned = self.reports[name].uses_per_call
                 if planned is not None and self._uses[name] == planned:
-                    try:
-                        self._release(proxy)  # its last use in the previous call
-                    except Exception as exc:  # noqa: BLE001 - the use succeeded; reported when the call ends
-                        log.error("lazy pipeline: releasing %s failed: %s", name, exc)
-                        self._problems.append(f"{name}: {exc}")
+                    self._try_release(proxy, "counted")  # its last use in the previous call
             return out
 
         return use
+
+    def _try_release(self, proxy: LazyComponent, how: str) -> None:
+        try:
+            self._release(proxy, how)
+        except Exception as exc:  # noqa: BLE001 - the use succeeded; reported when the call ends
+            log.error("lazy pipeline: releasing %s failed: %s", proxy._lazy_name, exc)
+            self._problems.append(f"{proxy._lazy_name}: {exc}")
+
+    def _declared(self, name: str) -> int | None:
+        """The component's last declared stage, unless it proved too early."""
+        if self.checked is None or name in self._declared_off:
+            return None
+        return self.checked.last_stage(name)
+
+    def _before_use(self, proxy: LazyComponent) -> None:
+        """A use of ``proxy`` starts: moves the call to the next stage naming
+        it and releases every loaded component whose declared last stage
+        lies before that stage."""
+        if not self._in_call or self.checked is None:
+            return
+        stage = self.checked.next_stage(proxy._lazy_name, self._stage)
+        if stage is None:
+            return  # off the declared path (an earlier stage again): nothing moves
+        self._stage = stage
+        for other in self.components.values():
+            if other is proxy or other._lazy_real is None:
+                continue
+            last = self._declared(other._lazy_name)
+            if last is not None and last < stage:
+                self._try_release(other, "declared")
 
     def _call(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._in_call:  # a nested call (a pipeline calling itself): one boundary
             return call(*args, **kwargs)
         self._in_call, self._uses, self._problems = True, {}, []
+        self._released_in_call, self._early, self._stage = {}, set(), 0
         ok = False
         try:
             out = call(*args, **kwargs)
@@ -413,9 +507,18 @@ class LazyPipeline:
             self._in_call = False
             if ok:
                 self.calls += 1
+                for n in self._early - self._declared_off:
+                    # The declared point was too early for this workload:
+                    # from the next call on only the counted one applies.
+                    self._declared_off.add(n)
+                    self.reports[n].notes.append("declared release dropped: it was too early in a call; "
+                                                 "released after the counted last use only")
                 for n, rep in self.reports.items():
                     if rep.deferred:
                         rep.uses_per_call = self._uses.get(n, 0)
+                        declared = self._declared(n)
+                        rep.release = f"after use {rep.uses_per_call} of a call (counted)" + (
+                            f", or on leaving its declared last stage ({declared})" if declared is not None else "")
                         unused = "deferred but not used in a call: nothing to release"
                         if rep.uses_per_call == 0 and unused not in rep.notes:
                             # Deferral that never acts is worth a look, not silence.
@@ -555,8 +658,10 @@ def lazy_pipeline(
                               f"expected some of {sorted(k for k in index if not k.startswith('_'))}")
     decision = host_offload(device, offload)
     lazy = LazyPipeline(pipe_dir, mode=mode, dtype=dtype, decision=decision, socket=socket, host_plan=host_plan)
-    checked = CHECKED_PIPELINES.get(pipeline_class.__name__, ()) \
-        if pipeline_class.__module__.startswith("diffusers.") else ()
+    entry = CHECKED_PIPELINES.get(pipeline_class.__name__) \
+        if pipeline_class.__module__.startswith("diffusers.") else None
+    checked = entry.components if entry is not None else ()
+    lazy.checked = entry
     target = getattr(torch, dtype)
     passed = dict(pipeline_kwargs)
     for name in components:
@@ -570,7 +675,11 @@ def lazy_pipeline(
             cls, shell = _shell(pipe_dir, name, dtype)
             proxy = LazyComponent(lazy, name, cls, shell)
             lazy.components[name] = proxy
-            lazy.reports[name] = ComponentReport(name, True, f"{pipeline_class.__name__} is checked for {name}")
+            last = lazy._declared(name)
+            lazy.reports[name] = ComponentReport(
+                name, True, f"{pipeline_class.__name__} is checked for {name}",
+                release=f"on leaving its declared last stage ({last} of {list(entry.use_order)})"
+                if entry and last is not None else "at the end of the first call, then after its counted last use")
             passed[name] = proxy
     if not checked:
         lazy.notes.append(f"{pipeline_class.__name__}: not a checked pipeline class; every component loads "
@@ -584,4 +693,4 @@ def lazy_pipeline(
     return lazy
 
 
-__all__ = ["CHECKED_PIPELINES", "ComponentReport", "LazyComponent", "LazyPipeline", "lazy_pipeline"]
+__all__ = ["CHECKED_PIPELINES", "CheckedPipeline", "ComponentReport", "LazyComponent", "LazyPipeline", "lazy_pipeline"]

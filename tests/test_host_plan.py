@@ -112,7 +112,7 @@ def _plan(directory: str):
     return preflight(skeleton, files.weights, contract.blocks(skeleton))
 
 
-def test_a_missing_key_a_shape_mismatch_and_a_split_block_refuse_the_plan(dirs, tmp_path):
+def test_a_missing_key_and_a_shape_mismatch_refuse_the_plan(dirs, tmp_path):
     assert _plan(dirs["bf16"]).accepted
     missing = _rewrite(dirs["bf16"], str(tmp_path / "missing"), lambda t: t.pop("proj_out.weight"))
     plan = _plan(missing)
@@ -123,12 +123,45 @@ def test_a_missing_key_a_shape_mismatch_and_a_split_block_refuse_the_plan(dirs, 
 
     plan = _plan(_rewrite(dirs["bf16"], str(tmp_path / "shape"), reshape))
     assert not plan.accepted and "'proj_out.bias': checkpoint shape [3]" in plan.reason
-    split = _save(str(tmp_path / "split"), torch.bfloat16, shard="20KB")  # blocks cut across shards
-    plan = _plan(split)
-    assert not plan.accepted and "shards (not one range)" in plan.reason
     # The refusal is what the ordinary path then says too: the strict load names the key.
     with pytest.raises(FailedPrecondition, match="proj_out.weight"):
         dlo_runtime.from_pretrained(missing, host_plan="checkpoint-mmap", progress=False)
+
+
+def test_blocks_cut_across_shards_stream_from_their_pages_mapped_back_to_back(dirs, tmp_path, monkeypatch):
+    """20 KB shards cut blocks: each cut block's pieces are mapped back to
+    back (read-only, shared file pages) into one range DLO copies as one."""
+    import hwr_client
+
+    def no_daemon(*a, **k):
+        raise AssertionError("checkpoint-mmap must not reach the daemon")
+
+    monkeypatch.setattr(hwr_client, "connect", no_daemon)
+    split = _save(str(tmp_path / "split"), torch.bfloat16, shard="20KB")
+    plan = _plan(split)
+    assert plan.accepted, plan.reason
+    cut = [b for b in plan.blocks if b.pieces]
+    assert cut and all(len(b.pieces) > 1 for b in cut), plan.blocks  # the case under test happens
+    expected = reference(dirs["bf16"])  # the same weights, one shard
+    with dlo_runtime.from_pretrained(split, host_plan="checkpoint-mmap", device="cpu", progress=False) as loaded:
+        rep = loaded.report
+        assert rep.host_plan == "checkpoint-mmap" and rep.bytes_materialized == 0, rep
+        mapping = loaded.lease
+        stitched = [r for r in mapping.regions() if "+" in r.path]
+        assert len(stitched) == len(cut)
+        for b in cut:
+            # The stitched bytes are the shards' own bytes, tensor by tensor.
+            span = mapping.block_bytes(b.index)
+            assert in_regions(span, stitched)
+            for name in b.tensors:
+                src = plan.sources[name]
+                with open(plan.files[src.file], "rb") as f:
+                    f.seek(src.offset)
+                    want = f.read(src.nbytes)
+                assert bytes(mapping.tensors()[name].reshape(-1).view(torch.uint8).numpy()) == want, name
+        out = output_of(loaded.model, "flux")
+        assert all(s.copies >= 1 for s in loaded.backend.stats.blocks)
+    assert torch.equal(out, expected)
 
 
 _WORKER = r"""

@@ -7,9 +7,16 @@ plan is accepted only when every required parameter and persistent buffer
 has exactly one checkpoint source with the same name, shape and dtype (no
 cast, no pack), no custom loader transform (``fuse_qkv``) applies, the
 topology is TP1 without HSDP or quantization (``from_pretrained`` offers
-neither), and every streamed block is one byte span of one shard (DLO
-copies a block as one range). Otherwise the plan records the first reasons
+neither), and every streamed block is one byte span per shard it touches
+with little interleaved waste. Otherwise the plan records the first reasons
 and the component loads through HWR or the ordinary loader.
+
+DLO copies a block as ONE host range (:mod:`dlo_runtime.backend`: one
+``block_bytes`` tensor, one copy or one staging memcpy per block). A block
+cut across shards is made one range without a copy: its pieces' file pages
+are mapped back to back (read-only, ``MAP_SHARED`` + ``MAP_FIXED`` into one
+reserved range), so the block is contiguous in virtual memory while its
+pages stay the page cache's, shared by every worker (:func:`_stitch`).
 
 An accepted plan is handed as is to DLO: :class:`CheckpointMapping` maps
 the plan's files read-only (``PROT_READ`` + ``MAP_SHARED`` through the one
@@ -22,7 +29,12 @@ workers mapping the same files share their page-cache pages.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import mmap
+import os
+import warnings
+import weakref
 from typing import Sequence
 
 import torch
@@ -59,7 +71,10 @@ class Source:
 @dataclasses.dataclass(frozen=True)
 class BlockSpan:
     """A streamed block as one byte span of one shard (lease-block API:
-    ``index``, ``prefix``, ``tensors``, ``begin``, ``end``)."""
+    ``index``, ``prefix``, ``tensors``, ``begin``, ``end``). A block cut
+    across shards has ``pieces``: ``(file, begin, end)`` per shard, mapped
+    back to back at serving time; then ``file`` is -1 and ``begin``/``end``
+    are set by :class:`CheckpointMapping` in the stitched range."""
 
     index: int
     prefix: str
@@ -67,6 +82,7 @@ class BlockSpan:
     file: int
     begin: int
     end: int
+    pieces: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +120,8 @@ def preflight(skeleton: nn.Module, files: Sequence[str], blocks: Sequence[nn.Mod
     Args:
         skeleton: the runtime skeleton (meta parameters with runtime dtypes).
         files: its safetensors shards.
-        blocks: the blocks DLO will stream (each must be one span).
+        blocks: the blocks DLO will stream (each one span per shard it
+            touches; a block cut across shards is stitched at serving time).
         transforms: custom loader transforms that apply (``"fuse_qkv"``):
             any refuses the plan.
 
@@ -146,7 +163,22 @@ def preflight(skeleton: nn.Module, files: Sequence[str], blocks: Sequence[nn.Mod
             members = [prefix + s.name for s in tensor_slots(b).slots]
             src = [sources[n] for n in members]
             if len({x.file for x in src}) > 1:
-                reasons.append(f"block {prefix[:-1]!r} spans {len({x.file for x in src})} shards (not one range)")
+                if not _CAN_STITCH:
+                    reasons.append(f"block {prefix[:-1]!r} spans {len({x.file for x in src})} shards and this "
+                                   f"platform cannot map them back to back (no MAP_FIXED)")
+                    continue
+                pieces = tuple((f, min(x.offset for x in src if x.file == f),
+                                max(x.offset + x.nbytes for x in src if x.file == f))
+                               for f in sorted({x.file for x in src}))
+                own, spread = sum(x.nbytes for x in src), sum(e - b for _, b, e in pieces)
+                if spread > (1 + MAX_SPAN_WASTE) * own:
+                    reasons.append(f"block {prefix[:-1]!r}: its tensors are spread over {spread} bytes of "
+                                   f"{len(pieces)} shards for {own}")
+                elif any(_stitched_offset(pieces, x) % x.dtype.itemsize for x in src):
+                    reasons.append(f"block {prefix[:-1]!r}: a tensor is not aligned to its dtype inside the "
+                                   f"stitched span")
+                else:
+                    spans.append(BlockSpan(j, prefix, tuple(members), -1, 0, 0, pieces))
                 continue
             begin, end = min(x.offset for x in src), max(x.offset + x.nbytes for x in src)
             own = sum(x.nbytes for x in src)
@@ -159,6 +191,76 @@ def preflight(skeleton: nn.Module, files: Sequence[str], blocks: Sequence[nn.Mod
     if reasons:
         return HostWeightPlan("refused", tuple(reasons[:8]), files)
     return HostWeightPlan("checkpoint-mmap", (), files, sources, tuple(spans))
+
+
+_PAGE = mmap.ALLOCATIONGRANULARITY
+#: MAP_FIXED: Linux and macOS both use 0x10 (the mmap module does not export it).
+_MAP_FIXED = 0x10
+_CAN_STITCH = os.name == "posix" and hasattr(mmap, "MAP_ANONYMOUS")
+
+
+def _piece_pages(begin: int, end: int) -> tuple[int, int]:
+    """The page-aligned file offset and length that cover [begin, end)."""
+    lo = begin // _PAGE * _PAGE
+    return lo, -(-(end - lo) // _PAGE) * _PAGE
+
+
+def _stitched_offset(pieces: Sequence[tuple[int, int, int]], src: Source) -> int:
+    """``src``'s byte offset from the block's first byte in the stitched
+    range (each piece's pages follow the previous piece's)."""
+    pos = 0
+    for f, b, e in pieces:
+        lo, length = _piece_pages(b, e)
+        if f == src.file:
+            return pos + src.offset - lo - (pieces[0][1] - _piece_pages(pieces[0][1], pieces[0][2])[0])
+        pos += length
+    raise KeyError(src)
+
+
+def _stitch(parts: Sequence[tuple[str, int, int]]) -> torch.Tensor:
+    """Maps ``(path, page-aligned offset, page-multiple length)`` parts
+    back to back, read-only and shared, into one reserved range; returns it
+    as 1-D uint8. The range is unmapped when the last tensor on it dies
+    (the finalizer of the buffer object the tensor holds).
+
+    Raises:
+        OSError: the reservation or a mapping failed (nothing left mapped).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    total = sum(n for _, _, n in parts)
+    failed = ctypes.c_void_p(-1).value
+    # Reserve the whole range first (PROT_NONE, anonymous) so the pieces
+    # land in address space nobody else can take between the calls.
+    base = libc.mmap(None, total, mmap.PROT_NONE if hasattr(mmap, "PROT_NONE") else 0,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if base in (None, failed):
+        raise OSError(ctypes.get_errno(), f"checkpoint mapping: reserving {total} bytes failed")
+    pos = 0
+    try:
+        for path, offset, length in parts:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = libc.mmap(base + pos, length, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED, fd, offset)
+            finally:
+                os.close(fd)  # the mapping holds the file; the descriptor is not needed
+            if got != base + pos:
+                raise OSError(ctypes.get_errno(), f"checkpoint mapping: mapping {path} at +{offset} failed")
+            pos += length
+    except BaseException:
+        libc.munmap(base, total)
+        raise
+    buf = (ctypes.c_uint8 * total).from_address(base)
+    fin = weakref.finalize(buf, libc.munmap, base, total)
+    # Not at interpreter exit: a view still alive then may be read by a
+    # late destructor; the process's own exit unmaps it.
+    fin.atexit = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8)  # holds ``buf``: unmapped after the last view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +293,28 @@ class CheckpointMapping:
         self._views = {n: self._raw[s.file][s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
                        for n, s in plan.sources.items()}
         # Offsets in one address space per file: a block's begin and its
-        # tensors' offsets must be comparable, and a block never crosses files.
-        self.blocks = list(plan.blocks)
-        self.manifest = _Manifest([_Entry(n, s.offset, s.nbytes) for n, s in plan.sources.items()])
+        # tensors' offsets must be comparable.
+        entries = {n: _Entry(n, s.offset, s.nbytes) for n, s in plan.sources.items()}
+        self.blocks: list[BlockSpan] = []
+        #: Blocks cut across shards: their stitched range (1-D uint8), by index.
+        self._stitched: dict[int, torch.Tensor] = {}
+        for b in plan.blocks:
+            if b.pieces:
+                # One range for DLO, no copy: the pieces' pages back to back.
+                raw = _stitch([(plan.files[f], *_piece_pages(lo, hi)) for f, lo, hi in b.pieces])
+                lead = b.pieces[0][1] - _piece_pages(b.pieces[0][1], b.pieces[0][2])[0]
+                end = lead
+                for n in b.tensors:
+                    src = plan.sources[n]
+                    off = lead + _stitched_offset(b.pieces, src)
+                    # The block's own address space: its begin and its tensors' offsets are comparable.
+                    self._views[n] = raw[off:off + src.nbytes].view(src.dtype).view(src.shape)
+                    entries[n] = _Entry(n, off, src.nbytes)
+                    end = max(end, off + src.nbytes)
+                self._stitched[b.index] = raw
+                b = dataclasses.replace(b, begin=lead, end=end)
+            self.blocks.append(b)
+        self.manifest = _Manifest(list(entries.values()))
         self.key = ""
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -203,11 +324,16 @@ class CheckpointMapping:
     def block_bytes(self, index: int) -> torch.Tensor:
         """The block's span as 1-D uint8 (one copy range for DLO)."""
         b = next(b for b in self.blocks if b.index == index)
-        return self._raw[b.file][b.begin:b.end]
+        raw = self._stitched[b.index] if b.pieces else self._raw[b.file]
+        return raw[b.begin:b.end]
 
     def regions(self) -> list[Region]:
         """The mapped files (what a registrar may register read-only)."""
-        return [Region(p, int(r.data_ptr()), int(r.numel())) for p, r in zip(self.plan.files, self._raw) if r.numel()]
+        out = [Region(p, int(r.data_ptr()), int(r.numel())) for p, r in zip(self.plan.files, self._raw) if r.numel()]
+        for index, r in self._stitched.items():
+            pieces = next(b.pieces for b in self.blocks if b.index == index)
+            out.append(Region("+".join(self.plan.files[f] for f, _, _ in pieces), int(r.data_ptr()), int(r.numel())))
+        return out
 
     def bind(self, skeleton: nn.Module) -> None:
         """Points every parameter and persistent buffer at its view."""
@@ -222,7 +348,8 @@ class CheckpointMapping:
     def close(self) -> None:
         for f in self._files:
             f.close()
-        self._raw = []
+        # Stitched ranges are unmapped when their last view dies.
+        self._raw, self._stitched = [], {}
 
 
 def describe(plan: HostWeightPlan | None, chosen: str) -> str:
