@@ -123,8 +123,9 @@ class RecordingStore:
                 os.unlink(os.path.join(self.root, "blobs", "sha256", b))
         return 0
 
-    def remove_staging(self, name: str) -> None:
+    def remove_staging(self, name: str) -> bool:
         self.calls.append(("staging", name))
+        return True  # removed (False: claimed by a publication since the snapshot)
 
     def remove_quarantine(self, name: str) -> None:
         self.calls.append(("quarantine", name))
