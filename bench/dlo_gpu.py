@@ -5,13 +5,13 @@
    (the mapping registered read-only with cudaHostRegister, DMA straight
    from it); the device bytes of every method are compared for equality.
    The staging row also reports the host memcpy per block: the backend runs
-   it on the forward-hook thread (issue 17, finding 7), so it is compared
+   it on the forward-hook thread, so it is compared
    with a block's compute time.
 2. Registration of one file on disk (``--reg-gib``, default 4 GiB), cold
    (page cache dropped: the driver reads pages inside cudaHostRegister) and
    pre-faulted (MADV_POPULATE_READ from threads first): seconds per GiB of
    prefault, register and unregister, and /proc/meminfo Dirty before
-   registration and right after unregistration (finding 4: the driver
+   registration and right after unregistration (the driver
    releases pinned pages as dirty, which schedules writeback of every
    registered byte of a file-backed store).
 3. Per-block wall time of a layerwise-offloaded forward (registered and
@@ -205,7 +205,7 @@ def _registration_case(directory: str, gib: float, registrar: CudaRegistrar, cap
                 # A fresh mapping each time: DONTNEED cannot drop pages we
                 # still map, so each case needs the previous mapping gone; and
                 # it cannot drop dirty pages (the previous unregistration
-                # dirtied them, finding 4), so write them back first.
+                # dirtied them), so write them back first.
                 os.fsync(f.fileno())
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)

@@ -23,7 +23,7 @@ Best first:
     and staging gain nothing there and are skipped; blocks copy straight from
     the mapping. The backend reports it so an operator can run resident.
 
-Admission (issue 17): a lease bound to a daemon session registers only what
+Admission: a lease bound to a daemon session registers only what
 the node daemon admits (:mod:`hwr_client.registration`): pre-fault, then
 ``request(total)``, then one ``chunk_done`` per registered chunk, and
 ``release`` once every chunk is unregistered (or rolled back). A source

@@ -1,4 +1,4 @@
-"""The worker's side of registration admission (DESIGN §16, issue 17).
+"""The worker's side of registration admission (DESIGN §16).
 
 Before pinning host memory for the device (``cudaHostRegister``), a worker
 asks the node daemon, which owns the node-wide budget, the in-flight cap, the

@@ -134,7 +134,7 @@ class ServerConfig:
     metrics_listen: str = ""
     #: Prometheus textfile-collector path written periodically, "" for none.
     metrics_textfile: str = ""
-    #: Seconds between textfile writes (issue 7). Default 15.
+    #: Seconds between textfile writes. Default 15.
     metrics_textfile_interval_s: float = 15.0
     #: Background scrub rate, bytes/s; 0 disables scrubbing.
     scrub_bytes_per_s: int = 0

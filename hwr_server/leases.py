@@ -379,7 +379,7 @@ class LeaseManager:
         # lookup must not stall every other session's keepalive. store.get
         # reads the index under the store's lock, the one delete_guard()
         # holds around a delete's "is it leased?" check and its unlink, so
-        # this read is never inside that gap (issue 16, finding 14); the
+        # this read is never inside that gap; the
         # re-check after the record below closes the rest.
         manifest_json, paths = self._lookup(key)
         lease_id = secrets.token_urlsafe(24)

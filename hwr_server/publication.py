@@ -27,7 +27,7 @@ a publication that receives nothing for ``publication_idle_s`` ends ABORTED
 a plan of many files holds few descriptors; running out of descriptors is
 RESOURCE_EXHAUSTED.
 
-What a publication may evict (finding 16 of the hardening issue): nothing
+What a publication may evict: nothing
 before its first payload chunk. At plan the capacity check is a dry run: a
 plan that cannot fit even after collecting is refused at once, one that
 fits only after collecting is accepted and nothing is deleted yet; its

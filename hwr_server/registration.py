@@ -4,7 +4,7 @@ host memory pinned for the device (CUDA host registration).
 Why the daemon: every worker on a node pins its own mappings with a
 synchronous ``cudaHostRegister``; pinning faults every page under the mmap
 lock and takes driver-global locks that stall other processes' CUDA calls, so
-uncoordinated workers can starve a node or never finish (issue 17). Workers
+uncoordinated workers can starve a node or never finish. Workers
 therefore ask first (``AdmitRegistration``), and the daemon enforces:
 
 * a node-wide **budget** of registered bytes

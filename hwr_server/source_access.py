@@ -1,5 +1,5 @@
 """Who may have a source file vouched for: the access rule of
-ResolveSources (DESIGN §6; issue 16, finding 6).
+ResolveSources (DESIGN §6).
 
 The daemon runs as root and must never vouch for a file its caller could
 not read itself. Each path is resolved ONCE

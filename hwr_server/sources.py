@@ -22,7 +22,7 @@ so the content id is identical with or without it.
 
 Access: every path is checked by :class:`hwr_server.source_access.SourceAccess`
 for the calling peer BEFORE a hub name, a cache record or a hash answers for
-it (issue 16, finding 6: the daemon runs as root and never vouches for a file
+it (the daemon runs as root and never vouches for a file
 its caller could not read itself); the hashing job then reads only the exact
 file version that was cleared. Refused is PERMISSION_DENIED, and the client
 hashes the file itself with its own rights.

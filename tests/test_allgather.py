@@ -1,4 +1,4 @@
-"""DLO AllGather over real processes with gloo on 127.0.0.1 (issue 13).
+"""DLO AllGather over real processes with gloo on 127.0.0.1.
 
 One launch per group size runs every scenario of that size in the same G
 processes (spawning torch processes is the expensive part on 2 cores); each

@@ -138,7 +138,7 @@ def test_copy_overlaps_compute_on_streams(tmp_path):
 
 
 def test_registrar_binds_torchs_cudart_and_registers_in_its_device(tmp_path):
-    """Finding 5/6: the bound runtime is the one torch loaded (its error state
+    """The bound runtime is the one torch loaded (its error state
     is torch's), and a registration made with another device current still
     lands in the registrar's device context."""
     from dlo_runtime import cuda_host

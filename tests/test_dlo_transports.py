@@ -176,7 +176,7 @@ def test_registered_and_staging_move_identical_payload(tmp_path):
     assert torch.equal(payload["registered"][1], payload["staging"][1])
 
 
-# --- issue 17: prefault, keep-alive, libcudart choice, the shared decline rule ----------------------
+# --- prefault, keep-alive, libcudart choice, the shared decline rule ----------------------
 
 def test_prefault_runs_before_any_register_call(tmp_path):
     ref, lease, skel = _warm(tmp_path)
@@ -318,7 +318,7 @@ def test_cuda_tests_skip_exactly_where_the_code_declines(bits):
 
 
 def test_cuda_registrar_calls_run_in_its_device_with_the_context_created(monkeypatch):
-    """Finding 6, through a fake libcudart: every register/unregister enters
+    """Through a fake libcudart: every register/unregister enters
     torch.cuda.device(index) and forces the primary context (cudaFree(0))
     before the runtime call."""
     order = []

@@ -1,4 +1,4 @@
-"""Hardening (issue 16), the publication part: limits checked at plan before
+"""Hardening, the publication part: limits checked at plan before
 anything is built, idle publications ended, per-peer shares, few descriptors,
 exact boundaries, and what a publication may evict.
 
@@ -138,7 +138,7 @@ def scalars(n: int, prefix: str = "t") -> dict[str, torch.Tensor]:
     return {f"{prefix}{i}": torch.zeros((), dtype=torch.uint8) for i in range(n)}
 
 
-# -- finding 3: counts checked on the wire plan, before anything is built ------------
+# -- counts checked on the wire plan, before anything is built ------------
 
 
 def test_tensor_count_boundary(limited):
@@ -196,7 +196,7 @@ def test_huge_plan_is_refused_before_it_is_built(tmp_path):
         cleanup(d)
 
 
-# -- finding 4: header and manifest sizes checked at plan ----------------------------
+# -- header and manifest sizes checked at plan ----------------------------
 
 
 def _plan_and_size(tag: str, name: str, what: str):
@@ -263,7 +263,7 @@ def test_unservable_manifest_is_never_published(tmp_path):
         cleanup(d)
 
 
-# -- finding 12 (first half): bounds of a shape; anchored hex -------------------------
+# -- bounds of a shape; anchored hex -------------------------
 
 
 def _zero_byte_plan(tag: str, shape: list[int]) -> pb.PublishPlan:
@@ -324,7 +324,7 @@ def test_manifest_hex_with_a_trailing_newline_is_refused(tmp_path):
         Manifest.from_json(text.replace(f'"{blob}"', f'"{blob}\\n"', 1))
 
 
-# -- finding 15: the exact end of the planned data, in both modes ----------------------
+# -- the exact end of the planned data, in both modes ----------------------
 
 
 @pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "unordered"])
@@ -372,7 +372,7 @@ def test_chunk_size_boundary(limited, ordered):
         client.call(client.admin.DeleteArtifact, pb.DeleteArtifactRequest(key=key_of(tag)))
 
 
-# -- finding 5: idle publications, descriptors -----------------------------------------
+# -- idle publications, descriptors -----------------------------------------
 
 
 def _held_stream(client, reqs, release: threading.Event, timeout: float = 15.0):
@@ -494,7 +494,7 @@ def test_out_of_descriptors_is_resource_exhausted(tmp_path):
     assert os.listdir(store.staging_dir) == []
 
 
-# -- finding 5: per-peer shares (in-process: two distinct peers) ----------------------
+# -- per-peer shares (in-process: two distinct peers) ----------------------
 
 
 A, B = Peer(pid=101, uid=1000), Peer(pid=202, uid=1000)
@@ -586,7 +586,7 @@ def test_reserved_bytes_per_peer_boundary(tmp_path):
     _begin(small, "big", A).close()
 
 
-# -- finding 16: what a publication may evict, and when ------------------------------
+# -- what a publication may evict, and when ------------------------------
 
 
 def test_a_plan_evicts_nothing_until_its_payload_arrives(tmp_path):

@@ -1,5 +1,5 @@
-"""ResolveSources never vouches for a file its caller could not read (issue
-16, findings 6 and 12): a REAL root daemon, called by a child that runs as
+"""ResolveSources never vouches for a file its caller could not read: a
+REAL root daemon, called by a child that runs as
 uid ``nobody`` (tests/privdrop.py), with a source root that holds a
 public file, a root-only file, a file in a 0700 directory and a directory
 ``nobody`` owns and plants links in.
@@ -274,7 +274,7 @@ print(json.dumps({"answers": dict(answers), "flips": flips[0]}))
 
 
 def test_flipping_link_race_never_leaks(served, tree):
-    """Finding 6: nobody flips a link under the source root between a public
+    """Nobody flips a link under the source root between a public
     file, a secret outside every root and a secret in a 0700 directory while
     four threads call ResolveSources for RACE_SECONDS. Not one answer may
     carry a secret's digest (the old check-then-reopen leaked hundreds)."""
@@ -295,7 +295,7 @@ def test_flipping_link_race_never_leaks(served, tree):
 
 
 def test_nul_byte_in_a_path_is_invalid_argument(served, tree):
-    """Finding 12 (second half): a NUL byte in a path is refused at the
+    """A NUL byte in a path is refused at the
     boundary, naming the path's index; never INTERNAL with a traceback."""
     with served.client() as client:
         with pytest.raises(InvalidArgument, match=r"ResolveSources: paths\[1\] contains a NUL byte"):

@@ -1,4 +1,4 @@
-"""Trust in the filesystem (issue 16): the runtime directory, startup
+"""Trust in the filesystem: the runtime directory, startup
 recovery, the store's bytes. Every test runs the real daemon; the
 permission cases run it (or the attacker) as uid nobody in a child process.
 
@@ -57,7 +57,7 @@ def victim_file(tmp_path):
     return path
 
 
-# -- finding 1: the runtime directory ------------------------------------------------
+# -- the runtime directory ------------------------------------------------
 
 
 def test_socket_dir_made_by_another_user_writable_by_all_is_refused(tmp_path, victim_file):
@@ -190,7 +190,7 @@ def test_default_runtime_dir_of_another_user_is_refused_by_daemon_and_client(nob
     assert client.stdout.startswith("refused:") and f"{run} on its way is owned by uid {OTHER_UID}" in client.stdout
 
 
-# -- findings 8, 9, 11: startup recovery of a store nobody vouches for ---------------
+# -- startup recovery of a store nobody vouches for ---------------
 
 
 def _publish(d, *tags: str, seed: int = 0) -> dict[str, object]:
@@ -389,7 +389,7 @@ def test_recovery_under_a_non_root_daemon_skips_what_it_cannot_read(make_daemon_
         shutil.rmtree(base, ignore_errors=True)
 
 
-# -- finding 14: a lease granted between DeleteArtifact's lease check and its delete ---
+# -- a lease granted between DeleteArtifact's lease check and its delete ---
 
 
 def test_lease_granted_in_the_gap_of_a_non_force_delete_never_lands_on_a_deleted_artifact(tmp_path, monkeypatch):
@@ -441,7 +441,7 @@ def test_lease_granted_in_the_gap_of_a_non_force_delete_never_lands_on_a_deleted
     assert leases.holders(key) == []
 
 
-# -- finding 10: dedup must not trust a stored blob by its name and size ---------------
+# -- dedup must not trust a stored blob by its name and size ---------------
 
 
 def _flip_byte(path: str, offset: int = -100) -> None:
@@ -492,7 +492,7 @@ def test_publication_reuses_an_intact_blob_without_a_second_copy(daemon):
     assert inodes == {b: os.stat(os.path.join(daemon.root, "blobs", "sha256", b)).st_ino for b in inodes}
 
 
-# -- finding 13 (first half): ReportCorruption re-hashes at most once per key at a time ---
+# -- ReportCorruption re-hashes at most once per key at a time ---
 
 
 def _bytes_read(pid: int) -> int:

@@ -1,5 +1,5 @@
-"""One buggy or hostile client must not take the daemon's threads (issue 16,
-findings 2, 7 and 13): stream admission, the first-message deadline, the
+"""One buggy or hostile client must not take the daemon's threads:
+stream admission, the first-message deadline, the
 peer credentials handshake and the per-session lease cap, against the REAL
 daemon.
 
@@ -194,7 +194,7 @@ HOSTILE = textwrap.dedent("""
 
 
 def test_one_process_with_128_idle_streams_leaves_the_node_usable(make_daemon_fixture, tmp_path):
-    """Finding 2: the old daemon gave every thread to these streams (GetStats
+    """The old daemon gave every thread to these streams (GetStats
     DEADLINE_EXCEEDED, a new worker's session UNAVAILABLE)."""
     d = make_daemon_fixture()  # the default caps, as shipped
     key = publish(d)
@@ -334,7 +334,7 @@ def test_streams_cannot_take_the_threads_kept_for_unary_calls(make_daemon_fixtur
 
 
 def test_preferred_resolve_is_a_miss_when_the_daemon_is_full(make_daemon_fixture, tmp_path, streams):
-    """Finding 7: sessions exhausted made preferred mode FAILED."""
+    """Sessions exhausted made preferred mode FAILED."""
     d = make_daemon_fixture("--config", config(tmp_path, grpc_threads=8, max_streams_anonymous=16))
     key = publish(d)
     ident = identity(test="hostile-streams")
@@ -359,7 +359,7 @@ def test_preferred_resolve_is_a_miss_when_the_daemon_is_full(make_daemon_fixture
 
 
 def test_a_session_holds_at_most_max_leases_per_session(make_daemon_fixture, tmp_path):
-    """Finding 13 (second half)."""
+    """A session may hold at most ``max_leases_per_session`` leases."""
     d = make_daemon_fixture("--config", config(tmp_path, max_leases_per_session=3))
     key = publish(d)
     with d.client() as c:

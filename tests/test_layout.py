@@ -152,7 +152,7 @@ def _header(entries: dict) -> io.BytesIO:
     ([2**63 - 1, 0], True), ([2**63, 0], False), ([0, 2**62, 2**62], False), ([2**62, 1], True),
 ])
 def test_shapes_are_bounded_by_int64_at_plan_and_in_headers(shape, ok):
-    """Finding 12: each dimension, the element count over the non-zero
+    """Each dimension, the element count over the non-zero
     dimensions and the byte length are at most 2**63 - 1 (U8 here: bytes ==
     elements), in a plan and in a parsed header alike."""
     spec = TensorSpec("w", "U8", tuple(shape))

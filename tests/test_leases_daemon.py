@@ -1,4 +1,4 @@
-"""Leases against the REAL daemon: the "Bad input and faults" list of issue 3.
+"""Leases against the REAL daemon: bad input and faults.
 
 Holder processes are real subprocesses driven over stdin/stdout (HOLDER
 below); timing bounds are generous upper bounds, never tight assertions.

@@ -72,7 +72,7 @@ def doc(artifact):
     return json.loads(artifact[0].to_json())
 
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")  # \Z: a trailing newline is refused (issue 16, finding 12)
+_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")  # \Z: a trailing newline is refused
 _HEX32 = re.compile(r"^[0-9a-f]{32}\Z")
 
 

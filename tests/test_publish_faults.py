@@ -1,4 +1,4 @@
-"""Issue 2 "Bad input and faults", each against a REAL daemon: a clear error
+"""Bad input and faults, each against a REAL daemon: a clear error
 with the fitting status code, nothing half-published visible, staging gone,
 the daemon still serving."""
 

@@ -1,4 +1,4 @@
-"""Registration admission (issue 17, requirements 3 and 4).
+"""Registration admission.
 
 Unit tests drive :class:`hwr_server.registration.RegistrationAdmission` with a
 fake clock; the rest run against the REAL daemon with worker subprocesses

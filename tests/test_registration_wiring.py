@@ -1,4 +1,4 @@
-"""The DLO transport registers through the node daemon's admission (issue 17).
+"""The DLO transport registers through the node daemon's admission.
 
 A REAL daemon on a temp socket, REAL leases (published, acquired, mapped),
 the real backend; the only fake is the registrar seam, which here also

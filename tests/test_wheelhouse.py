@@ -1,4 +1,4 @@
-"""The air-gapped install (issue 17, requirement 2): ``.ci/wheelhouse``
+"""The air-gapped install: ``.ci/wheelhouse``
 downloads every wheel for the running Python, ``.ci/setup --wheelhouse DIR
 --no-torch`` installs from it into a temp venv with no index, and the
 packages import there, the daemon without torch.

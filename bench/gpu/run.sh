@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command for a GPU machine (issue 17):
+# The one command for a GPU machine:
 #
 #   bash bench/gpu/run.sh [OUT_DIR] [--wheelhouse DIR] [--dry-run]
 #
