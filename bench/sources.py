@@ -46,7 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 import hwr_client  # noqa: E402
 from hwr_client.core.defaults import parse_size  # noqa: E402
-from hwr_server.sources import RACY_WINDOW_NS  # noqa: E402
+from hwr_server.sources.cache import RACY_WINDOW_NS  # noqa: E402
 
 MB = 1e6
 

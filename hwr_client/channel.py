@@ -9,7 +9,7 @@ module imports nothing of the client, so no import cycle can run through it.
 Every channel opened here sends the process's peer token
 (:func:`peer_token`) on each call, so the daemon counts this process's
 streams against its own cap rather than the anonymous one
-(:mod:`hwr_server.peers`). The token comes from one handshake per process
+(:mod:`hwr_server.access.peers`). The token comes from one handshake per process
 and socket; a daemon without the credentials socket simply gets no token.
 
 Example:

@@ -2,7 +2,7 @@
 
 Before pinning host memory for the device (``cudaHostRegister``), a worker
 asks the node daemon, which owns the node-wide budget, the in-flight cap, the
-chunk size and the watchdog (:mod:`hwr_server.registration`). The transport
+chunk size and the watchdog (:mod:`hwr_server.registration.admission`). The transport
 uses :class:`RegistrationBroker`::
 
     broker = RegistrationBroker(client.session())

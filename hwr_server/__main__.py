@@ -1,5 +1,5 @@
 import sys
 
-from hwr_client.cli import main
+from hwr_server.cli import main
 
-sys.exit(main(["serve", *sys.argv[1:]]))
+sys.exit(main())

@@ -14,8 +14,8 @@ import logging
 import os
 import sys
 
-from hwr_client.core.errors import HwrError
 from hwr_client.core.defaults import parse_size
+from hwr_client.core.errors import HwrError
 from hwr_server import failpoints
 from hwr_server.config import ServerConfig
 
@@ -33,6 +33,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="directory the daemon may read canonical checkpoints from (repeatable)")
     p.add_argument("--socket-group", help="group owning the runtime socket")
     p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hwr_server [serve flags]``: the daemon without the ``hwr``
+    command line (which sits above every package and is not imported here);
+    the flags are ``hwr serve``'s."""
+    parser = argparse.ArgumentParser(prog="python -m hwr_server")
+    sub = parser.add_subparsers(dest="command")
+    register(sub)
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    return int(args.func(args) or 0)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -37,7 +37,7 @@ _PLAN_DEFAULTS = PlanLimits()
 @dataclasses.dataclass
 class RemoteConfig:
     """The ``[remote]`` table: the OCI registry this node pulls from and
-    pushes to (hwr_server.remote; README "Many nodes")."""
+    pushes to (hwr_server.remote.remote; README "Many nodes")."""
 
     #: ``host[:port]`` of the registry; "" = no remote (pull on miss off).
     registry: str = ""
@@ -188,7 +188,7 @@ class ServerConfig:
     #: of ``capacity``, or half of the disk without one.
     peer_reserved_bytes: int = 0
 
-    # -- threads, streams, sessions and peers (hwr_server.admission, .peers, .leases) --
+    # -- threads, streams, sessions and peers (hwr_server.access.admission, .peers, .leases) --
     #: Client streams (Session, Publish) one process, as proven by the peer
     #: credentials handshake, may hold at once on one socket; more answer
     #: RESOURCE_EXHAUSTED before taking a thread. Count. Default 8 (a worker
@@ -208,7 +208,7 @@ class ServerConfig:
     #: Count. Default 1024 (a worker holds one per artifact it maps).
     max_leases_per_session: int = 1024
 
-    # -- host registration admission (hwr_server.registration) --
+    # -- host registration admission (hwr_server.registration.admission) --
     #: Bytes of host memory all workers of the node may have registered
     #: (pinned for the device) at once; more is refused "budget" and the
     #: worker stages. Bytes; 0 = registration_budget_fraction of MemTotal.
@@ -232,7 +232,7 @@ class ServerConfig:
     #: Longest a request waits for an in-flight slot. Seconds. Default 300.
     registration_max_wait_s: float = 300.0
 
-    # -- many nodes: the OCI registry (hwr_server.remote) --
+    # -- many nodes: the OCI registry (hwr_server.remote.remote) --
     #: The ``[remote]`` table (see RemoteConfig).
     remote: RemoteConfig = dataclasses.field(default_factory=RemoteConfig)
 

@@ -5,13 +5,13 @@ Start-up order (each step's reason in a comment at the step):
  2. build components (store, leases, sources, gc, scrub, metrics);
  3. bind both sockets with restrictive modes, health NOT_SERVING, rpcs
     answer UNAVAILABLE; then the peer credentials socket next to the
-    runtime socket (hwr_server.peers);
+    runtime socket (hwr_server.access.peers);
  4. recovery (store.recover) and component start();
  5. health SERVING, sd_notify READY=1.
 Threads: each socket's pool has ``grpc_threads`` threads, of which client
 streams may hold at most ``admission.stream_capacity`` (the rest stay for
 unary calls); gRPC's ``maximum_concurrent_rpcs`` bounds what may queue
-(hwr_server.admission).
+(hwr_server.access.admission).
 
 Shutdown (SIGTERM/SIGINT): health NOT_SERVING, sd_notify STOPPING=1, stop
 accepting, let in-flight calls finish within ``shutdown_grace_s``, stop
@@ -21,7 +21,6 @@ components in reverse order, release locks, exit 0.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import grp
 import logging
 import os
@@ -36,44 +35,28 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hwr_client.core.defaults import MESSAGE_OPTIONS, PEER_SOCKET_SUFFIX
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
-from hwr_server import peers, runtime_dir, servicer
-from hwr_server.admission import Deadlines, StreamAdmission
+from hwr_server.access import peers, runtime_dir
+from hwr_server.access.admission import Deadlines, StreamAdmission
+from hwr_server.access.lock import InstanceLock
+from hwr_server.components import Components
 from hwr_server.config import ServerConfig
-from hwr_server.gc import Collector
-from hwr_server.hashing import tune_allocator
+from hwr_server.gc.collector import Collector
 from hwr_server.interfaces import Lifecycle, StatsSource
-from hwr_server.leases import LeaseManager
-from hwr_server.lock import InstanceLock
+from hwr_server.leases.manager import LeaseManager
 from hwr_server.metrics import Metrics, StoreStats
-from hwr_server.registration import RegistrationAdmission
-from hwr_server.remote import Remote
-from hwr_server.scrub import Scrubber
+from hwr_server.registration.admission import RegistrationAdmission
+from hwr_server.remote.remote import Remote
+from hwr_server.rpc import servicer
 from hwr_server.sdnotify import Notifier
-from hwr_server.sources import SourceCache
-from hwr_server.store import Store
+from hwr_server.sources.cache import SourceCache
+from hwr_server.store.hashing import tune_allocator
+from hwr_server.store.scrub import Scrubber
+from hwr_server.store.store import Store
 
 log = logging.getLogger(__name__)
 
 _SERVICES = ("", "hwr.v1.Runtime", "hwr.v1.Admin")
 _C = TypeVar("_C", bound=Lifecycle)
-
-
-@dataclasses.dataclass(frozen=True)
-class Components:
-    """The daemon's components, as the rpc handlers reach them.
-
-    Built by :meth:`Daemon.start` once the locks are held and before any
-    socket binds, so a handler never sees a missing one.
-    """
-
-    store: Store
-    leases: LeaseManager
-    sources: SourceCache
-    gc: Collector
-    scrub: Scrubber
-    metrics: Metrics
-    registration: RegistrationAdmission
-    remote: Remote
 
 
 class Daemon:
@@ -224,7 +207,7 @@ class Daemon:
         self._health.append(hs)
 
     def _bind_peer_socket(self, path: str, authority: peers.PeerAuthority, *, mode: int, group: str) -> None:
-        """The credentials handshake socket (hwr_server.peers), with the
+        """The credentials handshake socket (hwr_server.access.peers), with the
         runtime socket's mode and group: whoever may call may prove who it
         is. Its path is covered by the runtime socket's lock. A path that
         cannot be bound (e.g. over the 108-byte limit) is logged: clients

@@ -3,7 +3,7 @@
 Each component is handed the narrow interface it uses, never the whole
 concrete class, and :mod:`hwr_server.daemon` is the one place that builds the
 concrete components and wires them together. The protocols are structural:
-:class:`hwr_server.store.Store` and :class:`hwr_server.leases.LeaseManager`
+:class:`hwr_server.store.store.Store` and :class:`hwr_server.leases.manager.LeaseManager`
 satisfy them without naming them, and a test fake satisfies them by having
 the same methods. What they buy is the type check: a component that calls a
 method its seam does not declare, or a store that stops offering one, is a
@@ -28,10 +28,10 @@ Seams::
 
 from __future__ import annotations
 
+import threading
 from typing import ContextManager, Mapping, Protocol, Sequence
 
 from hwr_client.core.manifest import Manifest
-from hwr_server.commit import SequenceStore
 
 
 class CapacityHook(Protocol):
@@ -142,7 +142,7 @@ class ScrubStore(Protocol):
 
 
 class RecoveryStore(Protocol):
-    """What start-up recovery (:mod:`hwr_server.recovery`) needs of the store:
+    """What start-up recovery (:mod:`hwr_server.store.recovery`) needs of the store:
     its layout, the index it rebuilds and quarantine for what fails checks."""
 
     @property
@@ -167,8 +167,30 @@ class RecoveryStore(Protocol):
                    manifest: Manifest | None = None) -> str: ...
 
 
+class SequenceStore(Protocol):
+    """What the durable sequences (:mod:`hwr_server.store.commit`) need from
+    the store (:class:`hwr_server.store.store.Store`)."""
+
+    blobs_dir: str
+    artifacts_dir: str
+    staging_dir: str
+    quarantine_dir: str
+
+    @property
+    def visibility_lock(self) -> threading.RLock: ...
+    def blob_path(self, digest: str) -> str: ...
+    def artifact_dir(self, key: str) -> str: ...
+    def install_blob(self, key: str, staged: str, digest: str, size: int) -> bool: ...
+    def blob_refs(self) -> dict[str, set[str]]: ...
+    def known_bad_blobs(self) -> set[str]: ...
+    def indexed(self, key: str) -> Manifest | None: ...
+    def index_published(self, key: str, manifest: Manifest) -> None: ...
+    def index_unpublished(self, key: str, *, quarantine_entry: str = "", reason: str = "",
+                          manifest: Manifest | None = None) -> None: ...
+
+
 class RemoteStore(SequenceStore, Protocol):
-    """What push and pull (:mod:`hwr_server.remote`) need of the store: the
+    """What push and pull (:mod:`hwr_server.remote.remote`) need of the store: the
     published artifacts and their blobs (push), and a publication's claim,
     staging, capacity check and durable commit (pull)."""
 

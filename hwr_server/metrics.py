@@ -41,7 +41,7 @@ from hwr_server.config import ServerConfig
 from hwr_server.interfaces import StatsSource
 
 if TYPE_CHECKING:
-    from hwr_server.records import StoreFigures
+    from hwr_server.store.records import StoreFigures
 
 log = logging.getLogger(__name__)
 

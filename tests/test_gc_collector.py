@@ -14,12 +14,12 @@ from hwr_client.core.errors import Aborted
 from hwr_client.core.plan import to_proto
 from hwr_client.tensors import build_plan
 from hwr_server import failpoints
-from hwr_server import gc as gc_module
+from hwr_server.gc import collector as gc_module
 from hwr_server.config import ServerConfig
-from hwr_server.gc import Collector
-from hwr_server.leases import LeaseManager
-from hwr_server.publication import Publication
-from hwr_server.store import Store
+from hwr_server.gc.collector import Collector
+from hwr_server.leases.manager import LeaseManager
+from hwr_server.publish.publication import Publication
+from hwr_server.store.store import Store
 from tests.conftest import identity, sample_tensors
 from tests.test_store import publish_inproc
 

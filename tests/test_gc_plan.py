@@ -10,8 +10,8 @@ import random
 import pytest
 
 from hwr_client.core.errors import NotFound
-from hwr_server.gc import execute
-from hwr_server.gc_plan import ArtifactRecord, DirRecord, GcItem, Snapshot, plan, reachable
+from hwr_server.gc.collector import execute
+from hwr_server.gc.plan import ArtifactRecord, DirRecord, GcItem, Snapshot, plan, reachable
 
 MiB = 1 << 20
 

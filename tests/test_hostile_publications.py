@@ -30,10 +30,10 @@ from hwr_client.core.manifest import Manifest
 from hwr_client.core.plan import check_plan, planned_manifest_bytes, to_proto
 from hwr_client.tensors import build_plan, iter_payload
 from hwr_server.config import ServerConfig
-from hwr_server.peers import Peer
-from hwr_server.publication import Publication
-from hwr_server.staging_io import os_error
-from hwr_server.store import Store
+from hwr_server.access.peers import Peer
+from hwr_server.publish.publication import Publication
+from hwr_server.store.staging_io import os_error
+from hwr_server.store.store import Store
 from tests.conftest import identity, sample_tensors
 from tests.daemon import cleanup, make_daemon
 

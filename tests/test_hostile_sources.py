@@ -4,7 +4,7 @@ uid ``nobody`` (tests/privdrop.py), with a source root that holds a
 public file, a root-only file, a file in a 0700 directory and a directory
 ``nobody`` owns and plants links in.
 
-The daemon learns no caller uid yet (hwr_server.peers: the credentials
+The daemon learns no caller uid yet (hwr_server.access.peers: the credentials
 handshake is not there), so its rule is the anonymous one: a file is vouched
 for only when "others" may read it (o+r) and traverse every directory from
 the source root down to it (o+x). Everything else is PERMISSION_DENIED and
@@ -200,7 +200,7 @@ def test_a_cached_record_is_not_answered_to_a_caller_who_cannot_read_it(served, 
     0700 (the file's own stat fields, hence the record, are unchanged). A
     cache hit for it would be the same leak as hashing it."""
     path = tree["shared"]
-    settle(path)  # old enough to be recorded (hwr_server.sources.RACY_WINDOW_NS)
+    settle(path)  # old enough to be recorded (hwr_server.sources.cache.RACY_WINDOW_NS)
     first = _resolve_as_nobody(served, [path])[path]
     assert first == ["OK", sha(PUBLIC + b"shared"), True]
     with served.client() as client:

@@ -25,8 +25,8 @@ import pytest
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import FailedPrecondition, NotFound
 from hwr_client.tensors import build_plan
-from hwr_server import rpc_store
-from hwr_server.leases import LeaseManager
+from hwr_server.rpc import store as rpc_store
+from hwr_server.leases.manager import LeaseManager
 from tests.conftest import identity, sample_tensors
 from tests.daemon import make_daemon, wait_serving
 from tests.privdrop import nobody, popen_python_as, run_python_as

@@ -20,7 +20,7 @@ from hwr_client.core.errors import (
     Unavailable,
 )
 from hwr_server.config import ServerConfig
-from hwr_server.leases import ATTACHED, AWAITING, LeaseManager
+from hwr_server.leases.manager import ATTACHED, AWAITING, LeaseManager
 
 KEY_A = "a" * 64
 KEY_B = "b" * 64

@@ -1,4 +1,4 @@
-"""The OCI layout of an artifact (hwr_server.oci_format) and the registry
+"""The OCI layout of an artifact (hwr_server.remote.oci) and the registry
 client's parsing (references, credentials files, challenges): pure, no
 registry."""
 
@@ -14,8 +14,8 @@ from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_client.core.manifest import Manifest
 from hwr_client.local import write_artifact
 from hwr_client.tensors import build_plan
-from hwr_server import oci_format as fmt
-from hwr_server.registry_client import _challenge, load_credentials, parse_reference
+from hwr_server.remote import oci as fmt
+from hwr_server.remote.registry import _challenge, load_credentials, parse_reference
 from tests.conftest import identity, sample_tensors
 
 

@@ -24,8 +24,8 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from hwr_client.core.identity import Identity
 from hwr_client.core.manifest import Manifest, content_digest
-from hwr_server.oci_format import ARTIFACT_TYPE, MANIFEST_MEDIA_TYPE, build_oci_manifest, digest_of
-from hwr_server.registry_client import RegistryClient
+from hwr_server.remote.oci import ARTIFACT_TYPE, MANIFEST_MEDIA_TYPE, build_oci_manifest, digest_of
+from hwr_server.remote.registry import RegistryClient
 from tests.conftest import identity, sample_tensors
 from tests.oci_registry import Proxy, free_port, make_registry, remote_config
 

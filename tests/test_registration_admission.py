@@ -1,6 +1,6 @@
 """Registration admission.
 
-Unit tests drive :class:`hwr_server.registration.RegistrationAdmission` with a
+Unit tests drive :class:`hwr_server.registration.admission.RegistrationAdmission` with a
 fake clock; the rest run against the REAL daemon with worker subprocesses
 whose "registrar" is fake (it sleeps, fails at chunk k, or hangs until the
 test lets it go). No CUDA: the decisions are what is tested. Timing bounds
@@ -24,7 +24,7 @@ from hwr_client.core.errors import InvalidArgument
 from hwr_client.registration import plan_chunks
 from hwr_server.config import ServerConfig
 from hwr_server.metrics import families
-from hwr_server.registration import RegistrationAdmission
+from hwr_server.registration.admission import RegistrationAdmission
 from tests.daemon import cleanup, make_daemon
 
 MIB = 1024 * 1024

@@ -11,7 +11,7 @@ import time
 
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_server.config import ServerConfig
-from hwr_server.scrub import Scrubber
+from hwr_server.store.scrub import Scrubber
 from tests.test_gc_daemon import collect, keys, publish, stats
 
 
@@ -91,7 +91,7 @@ class _RecordingStop(threading.Event):
 
 def test_scrub_skips_leased_and_paces_by_rate(make_daemon_fixture):
     d, good, bad = _two_artifacts(make_daemon_fixture)
-    from hwr_server.store import Store
+    from hwr_server.store.store import Store
 
     store = Store(ServerConfig(root=d.root).resolved())
     store.recover()

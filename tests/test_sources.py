@@ -1,4 +1,4 @@
-"""The source-digest cache in-process (hwr_server.sources.SourceCache) on
+"""The source-digest cache in-process (hwr_server.sources.cache.SourceCache) on
 real files, a real sqlite database and real symlinks/FIFOs."""
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from hwr_client.core.errors import (
 from hwr_client.core import digests
 from hwr_client.core.digests import absolute_path, hash_file, normalize_path
 from hwr_server import db
-from hwr_server import sources as srcmod
+from hwr_server.sources import cache as srcmod
 from hwr_server.config import ServerConfig
-from hwr_server.peers import ANONYMOUS, Peer
-from hwr_server.sources import TABLE, FileState, SourceCache, SourceRecordRow
+from hwr_server.access.peers import ANONYMOUS, Peer
+from hwr_server.sources.cache import TABLE, FileState, SourceCache, SourceRecordRow
 
 
 def sha(data: bytes) -> str:
@@ -547,7 +547,7 @@ def _run_as(user: pwd.struct_passwd, fn) -> dict:
 
 
 def test_the_callers_uid_decides_what_is_vouched_for(make_cache, src):
-    """The access rule of hwr_server.sources for each kind of caller: uid 0
+    """The access rule of hwr_server.sources.cache for each kind of caller: uid 0
     everything; the owner its owner bits; another known uid (groups not
     known) the group AND other bits; an unknown uid every class (it may be
     anyone, the owner included)."""

@@ -17,7 +17,7 @@ from hwr_client.cli import main as cli_main
 from hwr_client.core.errors import InvalidArgument, NotFound, PermissionDenied
 from hwr_client.core.identity import Identity
 from hwr_client.sources import build_identity, resolve_sources
-from hwr_server.sources import RACY_WINDOW_NS
+from hwr_server.sources.cache import RACY_WINDOW_NS
 
 LAYOUT = {"tp_rank": 0, "tp_size": 1, "sp_size": 1, "sp_backend": "none"}
 KW = dict(contract={"name": "tiny-dit", "version": 1}, layout=LAYOUT, representation={"dtype": "bfloat16"},
@@ -37,7 +37,7 @@ def write(path, data: bytes) -> str:
 
 def settle(*paths: str) -> None:
     """Waits until each file is older than the racy window (a file modified
-    within it is hashed but not yet recorded; see hwr_server.sources)."""
+    within it is hashed but not yet recorded; see hwr_server.sources.cache)."""
     newest = max(max(os.stat(p).st_mtime_ns, os.stat(p).st_ctime_ns) for p in paths)
     wait = (newest + RACY_WINDOW_NS - time.time_ns()) / 1e9 + 0.05
     if wait > 0:
@@ -221,7 +221,7 @@ def test_garbled_record_in_the_daemons_database(served, src):
     import sqlite3
 
     from hwr_server import db
-    from hwr_server.sources import TABLE
+    from hwr_server.sources.cache import TABLE
 
     data = b"g" * 5000
     path = write(src / "g.bin", data)

@@ -21,14 +21,14 @@ from hwr_client.local import write_artifact
 from hwr_client.core.manifest import Manifest
 from hwr_client.core.plan import check_plan, to_proto
 from hwr_client.tensors import build_plan, iter_payload
-from hwr_server import commit as commit_mod
+from hwr_server.store import commit as commit_mod
 from hwr_server import failpoints
-from hwr_server import publication as publication_mod
+from hwr_server.publish import publication as publication_mod
 from hwr_server.config import ServerConfig
 from hwr_server.metrics import store_stats
-from hwr_server.publication import Publication
-from hwr_server.staging_io import Coverage
-from hwr_server.store import Store
+from hwr_server.publish.publication import Publication
+from hwr_server.store.staging_io import Coverage
+from hwr_server.store.store import Store
 from tests.conftest import identity, sample_tensors
 
 
@@ -316,7 +316,7 @@ def test_fsync_of_artifacts_failing_after_the_rename_keeps_the_artifact_valid(tm
     monkeypatch.setattr(commit_mod, "fsync_dir", failing)
     tensors = sample_tensors()
     plan = build_plan(identity(t="fsync-eio"), tensors, file_target_bytes=2000)
-    with caplog.at_level(logging.ERROR, logger="hwr_server.commit"):
+    with caplog.at_level(logging.ERROR, logger="hwr_server.store.commit"):
         done = publish_inproc(store, plan, tensors)  # close() ran: the claim is released
     assert not done.already_published
     assert any(plan.identity.key in r.getMessage() and "fsync of artifacts/" in r.getMessage() for r in caplog.records)

@@ -27,7 +27,7 @@ MESSAGE_OPTIONS = [
 
 #: The daemon's peer-credentials socket is the runtime socket's path plus
 #: this suffix (same directory, same mode): a client connects, the daemon
-#: reads the kernel's SO_PEERCRED and answers a token (hwr_server.peers).
+#: reads the kernel's SO_PEERCRED and answers a token (hwr_server.access.peers).
 PEER_SOCKET_SUFFIX = ".cred"
 
 #: gRPC metadata key under which a client sends that token on every call.

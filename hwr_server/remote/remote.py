@@ -1,0 +1,601 @@
+"""Push and pull of artifacts through an OCI registry (README "Many nodes").
+
+Push (:meth:`Remote.push`): the blobs are read from the store as they are
+(no copy, no hashing: a layer's digest is the blob's name); layers the
+registry already has (HEAD) are skipped; then the config (manifest.json)
+and the OCI manifest (:mod:`hwr_server.remote.oci`), tagged with the key.
+
+Pull (:meth:`Remote.pull`): the OCI manifest and its config are fetched and
+checked (:func:`~hwr_server.remote.oci.parse_oci_manifest`,
+:func:`~hwr_server.remote.oci.check_config`); each layer whose blob is not
+in ``blobs/`` is downloaded into staging, ``parallel_layers`` at a time,
+hashed while it is written (1 MiB at a time: bounded memory), checked
+against its digest and size, and fsynced; a connection that breaks mid-layer
+is retried ``layer_attempts`` times, each resuming with a ``Range`` request
+from the bytes already written (the hash state carries over). A layer whose
+blob is present is hard-linked into staging instead, so a concurrent GC
+unlinking the stored blob cannot take the bytes away before the commit.
+Then the SAME durable commit as a publication
+(:func:`hwr_server.store.commit.publish`: the numbered steps and their failpoints).
+A failure before the publish point leaves nothing visible: the staging
+directory is removed and the blobs the commit moved are unlinked (the
+store's claim, as for a publication).
+
+Single flight: one pull per key at a time; a second caller of the same key
+waits for the first one's outcome and hears its progress (eight workers
+missing one key cause one download). A publication of the key in flight
+makes a pull ABORTED (retry).
+
+A caller that goes away (its rpc cancelled, or a worker that gave up on
+its no-progress bound, ``hwr_client.resolve.PULL_STALL_S``) does not stop
+the pull, even when no waiter is left. Decided so because: the bytes
+already fetched are the expensive part, and the next miss of the key (the
+worker's restart, the other workers of the node) is served by this pull
+instead of starting over; a pull commits whole or leaves nothing, so a pull
+nobody waits for can never expose a partial artifact; and it is bounded
+without a caller: the registry client's ``timeout_s`` per read and
+``layer_attempts`` per layer end a dead download with UNAVAILABLE, the
+staging removed. ``hwr rm KEY`` removes what it committed, if unwanted.
+
+What a pull checks is what the bytes can prove: every file's SHA-256 (its
+blob name) and size, and that the manifest is a valid HWR manifest of the
+tag's key. With ``[remote] verify_pull = "full"`` it also re-hashes every
+tensor and block against the manifest before the commit; by default those
+are checked by ``hwr verify`` / a lease's ``verify="full"``, as for any
+stored artifact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import http.client
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from hwr_client.core.errors import (
+    Aborted, DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
+)
+from hwr_client.core.identity import check_key
+from hwr_client.core.manifest import Manifest
+from hwr_server.access.files import Untrusted, open_stored
+from hwr_server.config import ServerConfig
+from hwr_server.interfaces import RemoteStore
+from hwr_server.remote.oci import (
+    MANIFEST_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES, build_oci_manifest, check_config, digest_of, parse_oci_manifest,
+)
+from hwr_server.remote.registry import IO_BYTES, Reference, RegistryClient, client_for, parse_reference
+from hwr_server.store import commit as durable
+from hwr_server.store.recovery import verify_artifact
+from hwr_server.store.staging_io import os_error
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """Where a transfer stands."""
+
+    bytes_done: int
+    bytes_total: int
+    layers_done: int
+    layers_total: int
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """What a push or a pull did.
+
+    Attributes:
+        key: the artifact's identity key.
+        reference: ``host/repository@sha256:…`` of the OCI manifest.
+        manifest_digest: the OCI manifest's digest.
+        bytes_transferred: payload bytes that went over the wire.
+        layers_transferred / layers_skipped: layers sent or fetched, and
+            those the other side already had.
+        seconds: wall time.
+        already_present: a pull found the artifact in the store (nothing done).
+    """
+
+    key: str
+    reference: str
+    manifest_digest: str
+    bytes_transferred: int
+    layers_transferred: int
+    layers_skipped: int
+    seconds: float
+    already_present: bool = False
+
+
+class _Flight:
+    """One pull of a key and everyone waiting on it. The leader's progress
+    goes to every waiter (a waiter that heard nothing would give up: see
+    the no-progress bound of ``Client.pull_on_miss``)."""
+
+    def __init__(self, progress: ProgressFn) -> None:
+        self.done = threading.Event()
+        self.result: Transfer | None = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._listeners = [progress]
+        self._last: Progress | None = None
+
+    def join(self, progress: ProgressFn) -> None:
+        with self._lock:
+            self._listeners.append(progress)
+            last = self._last
+        if last is not None:
+            progress(last)  # a late waiter hears where the pull stands at once
+
+    def progress(self, p: Progress) -> None:
+        with self._lock:
+            self._last = p
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn(p)
+
+
+class _Counter:
+    """Progress shared by the layer threads of one transfer."""
+
+    def __init__(self, total: int, layers: int, progress: ProgressFn):
+        self._lock = threading.Lock()
+        self.bytes, self.layers, self.total, self.n_layers = 0, 0, total, layers
+        self._progress = progress
+
+    def add(self, nbytes: int = 0, layers: int = 0) -> None:
+        # Reported under the lock: events leave in the order of their counts
+        # (the callback only queues or drops an event).
+        with self._lock:
+            self.bytes += nbytes
+            self.layers += layers
+            self._progress(Progress(self.bytes, self.total, self.layers, self.n_layers))
+
+
+class Remote:
+    """The daemon's registry component: push, pull, pull on a miss.
+
+    Args:
+        config: the daemon's configuration (``remote`` table; the store's
+            manifest limit bounds a config blob).
+        store: the store artifacts are read from and committed into.
+    """
+
+    def __init__(self, config: ServerConfig, store: RemoteStore):
+        self.config = config
+        self.store = store
+        self._lock = threading.Lock()
+        self._clients: dict[str, RegistryClient] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._figures = dict.fromkeys(("pulls", "pulls_failed", "pushes", "pushes_failed", "pull_bytes",
+                                       "push_bytes", "pull_joined"), 0)
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def client(self, host: str) -> RegistryClient:
+        """The registry client of ``host`` (one per host: its tokens are cached)."""
+        rem = self.config.remote
+        with self._lock:
+            c = self._clients.get(host)
+            if c is None:
+                c = self._clients[host] = client_for(host, insecure=rem.insecure, ca_file=rem.ca_file,
+                                                     credentials_file=rem.credentials_file, timeout=rem.timeout_s)
+            return c
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._figures[name] += n
+
+    def stats(self) -> dict[str, float]:
+        """Figures for GetStats / Prometheus."""
+        with self._lock:
+            f = dict(self._figures)
+        return {f'hwr_remote_transfers_total{{op="pull",outcome="ok"}}': f["pulls"],
+                f'hwr_remote_transfers_total{{op="pull",outcome="failed"}}': f["pulls_failed"],
+                f'hwr_remote_transfers_total{{op="push",outcome="ok"}}': f["pushes"],
+                f'hwr_remote_transfers_total{{op="push",outcome="failed"}}': f["pushes_failed"],
+                'hwr_remote_bytes_total{op="pull"}': f["pull_bytes"],
+                'hwr_remote_bytes_total{op="push"}': f["push_bytes"],
+                "hwr_remote_pulls_joined_total": f["pull_joined"]}
+
+    # -- push --------------------------------------------------------------------
+
+    def push(self, key: str, reference: str, progress: ProgressFn = lambda p: None) -> Transfer:
+        """Pushes artifact ``key`` to ``reference`` (``host/repo[:tag]``; the
+        tag defaults to the key).
+
+        Raises:
+            InvalidArgument: bad key or reference (a digest cannot be pushed to).
+            NotFound / FailedPrecondition: the artifact is not published here.
+            Unavailable / PermissionDenied: the registry.
+        """
+        check_key(key)
+        ref = parse_reference(reference)
+        if ref.digest:
+            raise InvalidArgument(f"push {reference}: push to a tag (host/repository[:tag]), not a digest")
+        tag = ref.tag or key
+        try:
+            out = self._push(key, ref, tag, progress)
+        except BaseException:
+            self._count("pushes_failed")
+            raise
+        self._count("pushes")
+        self._count("push_bytes", out.bytes_transferred)
+        return out
+
+    def _push(self, key: str, ref: Reference, tag: str, progress: ProgressFn) -> Transfer:
+        t0 = time.monotonic()
+        manifest, paths = self.store.get(key)
+        config = self.store.manifest_json(key).encode("utf-8")
+        oci = build_oci_manifest(manifest, config)
+        client = self.client(ref.host)
+        repo = ref.repository
+        layers = list({f.blob: (f, p) for f, p in zip(manifest.files, paths)}.values())
+        counter = _Counter(sum(f.size for f, _ in layers), len(layers), progress)
+        sent = [0, 0]  # bytes, layers
+        rem = self.config.remote
+
+        def one(item: tuple[Any, str]) -> None:
+            f, path = item
+            digest = "sha256:" + f.blob
+            if client.blob_size(repo, digest, push=True) == f.size:
+                counter.add(f.size, 1)  # the registry has it: skipped
+                return
+            try:
+                fd, _ = open_stored(path, what=f"blob {f.blob[:12]}")
+            except FileNotFoundError:
+                raise NotFound(f"push {key[:12]}: blob {f.blob[:12]} vanished (deleted meanwhile); "
+                               "publish it again") from None
+            except Untrusted as exc:
+                raise FailedPrecondition(f"push {key[:12]}: {exc}; run `hwr verify {key[:12]}`") from None
+            with os.fdopen(fd, "rb", buffering=0) as src:
+                client.upload_blob(repo, digest, src, f.size, chunk_bytes=rem.upload_chunk_bytes,
+                                   progress=lambda n: counter.add(n))
+            with self._lock:
+                sent[0] += f.size
+                sent[1] += 1
+            counter.add(0, 1)
+
+        _run_all(one, layers, rem.parallel_layers)
+        config_digest = digest_of(config)
+        if client.blob_size(repo, config_digest, push=True) != len(config):
+            client.put_bytes_blob(repo, config_digest, config)
+        digest = client.put_manifest(repo, tag, oci, MANIFEST_MEDIA_TYPE)
+        if digest and digest != digest_of(oci):
+            raise FailedPrecondition(f"push {ref.host}/{repo}:{tag}: the registry names the manifest {digest}, "
+                                     f"its bytes hash to {digest_of(oci)}")
+        seconds = time.monotonic() - t0
+        log.info("pushed %s to %s/%s:%s: %d of %d layers, %d bytes in %.2f s", key[:12], ref.host, repo, tag,
+                 sent[1], len(layers), sent[0], seconds)
+        return Transfer(key, f"{ref.host}/{repo}@{digest_of(oci)}", digest_of(oci), sent[0], sent[1],
+                        len(layers) - sent[1], seconds)
+
+    def push_after_publish(self, key: str) -> None:
+        """``[remote] push_after_publish``: pushes a just-committed artifact
+        to the configured remote on a background thread; a failure is
+        logged (the publication already succeeded, and the next node that
+        misses loads canonically, as without a remote)."""
+        rem = self.config.remote
+        if not (rem.push_after_publish and rem.registry and rem.repository):
+            return
+
+        def run() -> None:
+            try:
+                self.push(key, f"{rem.registry}/{rem.repository}")
+            except Exception as exc:  # noqa: BLE001 - background work: logged, never raised
+                log.warning("push after publish of %s to %s/%s failed: %s: %s", key[:12], rem.registry,
+                            rem.repository, type(exc).__name__, exc)
+
+        threading.Thread(target=run, name="hwr-push-after-publish", daemon=True).start()
+
+    # -- pull ----------------------------------------------------------------------
+
+    def pull(self, reference: str, progress: ProgressFn = lambda p: None) -> Transfer:
+        """Pulls ``host/repository:tag`` (the tag must be the key) or
+        ``host/repository@sha256:…`` into the store.
+
+        Raises:
+            InvalidArgument: bad reference.
+            NotFound: the registry has no such manifest (or a blob of it).
+            FailedPrecondition: not an HWR artifact, key is not the tag,
+                layers that are not the manifest's files.
+            DataLoss: a layer's bytes do not match its digest or size.
+            Unavailable: the registry is unreachable or broke off (retry is
+                safe; a retry of an interrupted layer resumes it).
+            PermissionDenied: 401/403. ResourceExhausted: capacity, disk.
+            Aborted: a publication of the same key is in flight.
+        """
+        ref = parse_reference(reference)
+        if not ref.reference:
+            raise InvalidArgument(f"pull {reference}: give a tag (the identity key) or @sha256:<digest>")
+        return self._pull_ref(ref, progress, key="")
+
+    def pull_missing(self, key: str, progress: ProgressFn = lambda p: None) -> Transfer:
+        """Pull on a miss: ``key`` from the configured remote.
+
+        Raises:
+            NotFound: no remote with pull_on_miss, or the registry lacks it.
+            Others: as :meth:`pull`.
+        """
+        check_key(key)
+        rem = self.config.remote
+        if not (rem.pull_on_miss and rem.registry and rem.repository):
+            raise NotFound(f"artifact {key[:12]}: not in the store, and this daemon has no [remote] with "
+                           "pull_on_miss")
+        return self._pull_ref(Reference(rem.registry, rem.repository, tag=key), progress, key=key)
+
+    def _pull_ref(self, ref: Reference, progress: ProgressFn, *, key: str) -> Transfer:
+        t0 = time.monotonic()
+        if key:
+            # The key is known before the registry is asked: join a pull in
+            # flight before even fetching the manifest.
+            return self._flight(key, progress, lambda p: self._fetch_and_commit(ref, p, t0, key))
+        return self._fetch_and_commit(ref, progress, t0, "")
+
+    def _flight(self, key: str, progress: ProgressFn, work: Callable[[ProgressFn], Transfer]) -> Transfer:
+        with self._lock:
+            flight = self._flights.get(key)
+            leader = flight is None
+            if leader:
+                flight = self._flights[key] = _Flight(progress)
+        assert flight is not None
+        if not leader:
+            self._count("pull_joined")
+            flight.join(progress)
+            flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            assert flight.result is not None
+            return flight.result
+        try:
+            flight.result = work(flight.progress)
+            return flight.result
+        except BaseException as exc:
+            flight.error = exc
+            raise
+        finally:
+            with self._lock:
+                del self._flights[key]
+            flight.done.set()
+
+    def _fetch_and_commit(self, ref: Reference, progress: ProgressFn, t0: float, key: str) -> Transfer:
+        what = str(ref)
+        client = self.client(ref.host)
+        try:
+            if key and self.store.contains(key):
+                return Transfer(key, what, "", 0, 0, 0, time.monotonic() - t0, already_present=True)
+            try:
+                raw, ctype = client.get_manifest(ref.repository, ref.reference, limit=MAX_OCI_MANIFEST_BYTES)
+            except NotFound:
+                raise NotFound(f"{what}: the registry has no such manifest") from None
+            oci = parse_oci_manifest(raw, what=what, content_type=ctype, expected_digest=ref.digest)
+            limit = self.config.max_stored_manifest_bytes
+            if oci.config.size > limit:
+                raise ResourceExhausted(f"{what}: config of {oci.config.size} bytes exceeds "
+                                        f"max_stored_manifest_bytes {limit}")
+            with client.open_blob(ref.repository, oci.config.digest) as r:
+                config = r.read(limit)
+            manifest = check_config(oci, config, what=what, tag=ref.tag)
+            done = (self._flight(manifest.key, progress,
+                                 lambda p: self._materialize(ref, client, manifest, oci.digest, p, t0))
+                    if not key else self._materialize(ref, client, manifest, oci.digest, progress, t0))
+        except BaseException:
+            self._count("pulls_failed")
+            raise
+        if not done.already_present:
+            self._count("pulls")
+            self._count("pull_bytes", done.bytes_transferred)
+        return done
+
+    def _materialize(self, ref: Reference, client: RegistryClient, manifest: Manifest, oci_digest: str,
+                     progress: ProgressFn, t0: float) -> Transfer:
+        """Downloads the missing layers into staging and commits."""
+        key, store = manifest.key, self.store
+        reference = f"{ref.host}/{ref.repository}@{oci_digest}"
+        pull_id = "pull-" + uuid.uuid4().hex[:16]
+        if store.claim(key, pull_id):  # raises Aborted while a publication of the key runs
+            return Transfer(key, reference, oci_digest, 0, 0, 0, time.monotonic() - t0, already_present=True)
+        moved: list[str] = []
+        staging = ""
+        try:
+            staging = store.new_staging(pull_id)
+            artifact = os.path.join(staging, "artifact")
+            os.mkdir(artifact, 0o755)
+            paths = [os.path.join(staging, f"{f.index:05d}.safetensors") for f in manifest.files]
+            bad = store.known_bad_blobs()
+            fetch: dict[str, tuple[Any, str]] = {}  # blob -> (file entry, path): each digest downloaded once
+            for f, path in zip(manifest.files, paths):
+                if f.blob in fetch:
+                    continue  # a second file of the same bytes: linked after the download below
+                if f.blob not in bad and _link_stored(store.blob_path(f.blob), path, f.size):
+                    continue
+                fetch[f.blob] = (f, path)
+            total = sum(f.size for f, _ in fetch.values())
+            # Capacity first (may collect unleased artifacts), then every file
+            # preallocated: a full disk fails here, before any byte is fetched.
+            store.capacity_hook(total, evict=True, who=f"pull {pull_id} of {key[:12]}")
+            counter = _Counter(total, len(fetch), progress)
+            stop = threading.Event()
+            rem = self.config.remote
+
+            def one(item: tuple[Any, str]) -> None:
+                f, path = item
+                _download(client, ref.repository, f, path, counter, stop, rem.layer_attempts,
+                          what=f"{reference} layer {f.index} ({f.name})")
+
+            try:
+                _run_all(one, list(fetch.values()), rem.parallel_layers, stop)
+            except BaseException:
+                stop.set()
+                raise
+            for f, path in zip(manifest.files, paths):  # duplicates of a downloaded file share its bytes
+                if not os.path.lexists(path):
+                    os.link(fetch[f.blob][1], path)
+            if rem.verify_pull == "full":
+                # Every tensor and block against the pulled manifest, before
+                # anything moves into blobs/ (the files are in the page cache).
+                problems, _, _ = verify_artifact(manifest, paths,
+                                                 threads=self.config.hash_threads or os.cpu_count() or 2)
+                if problems:
+                    raise DataLoss(f"{reference}: the pulled artifact fails verification ({'; '.join(problems[:3])}); "
+                                   "nothing was published")
+            staged = durable.Staged(key, artifact, paths, _synced)
+            text = durable.publish(store, staged, manifest, moved)
+        except OSError as exc:
+            raise os_error(exc, f"pull {pull_id} of {key[:12]}") from None
+        finally:
+            if staging:
+                shutil.rmtree(staging, ignore_errors=True)
+            store.release_claim(key, pull_id, moved_blobs=tuple(moved))
+        if text.encode("utf-8") != _config_text(manifest):
+            log.debug("pull %s: stored manifest text re-serialized", key[:12])
+        seconds = time.monotonic() - t0
+        log.info("pulled %s from %s: %d of %d layers, %d bytes in %.2f s", key[:12], reference, len(fetch),
+                 len(manifest.files), total, seconds)
+        return Transfer(key, reference, oci_digest, total, len(fetch), len(manifest.files) - len(fetch), seconds)
+
+
+def _config_text(manifest: Manifest) -> bytes:
+    return manifest.to_json().encode("utf-8")
+
+
+def _synced() -> None:
+    """Commit step 1 for a pull: each downloaded file was fsynced by its
+    download thread right after its digest matched (while other layers
+    were still flowing), and a hard link of a stored blob shares the blob's
+    durable inode; nothing is left to sync."""
+
+
+def _link_stored(blob: str, path: str, size: int) -> bool:
+    """Hard-links the stored blob of the right size into staging; False
+    when it is missing, a link, or another size (then it is downloaded)."""
+    try:
+        fd, st = open_stored(blob, what=f"blob {os.path.basename(blob)[:12]}")
+    except (FileNotFoundError, Untrusted):
+        return False
+    try:
+        if st.st_size != size:
+            return False
+        os.link(blob, path, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False  # collected meanwhile
+    finally:
+        os.close(fd)
+
+
+def _download(client: RegistryClient, repository: str, f: Any, path: str, counter: _Counter,
+              stop: threading.Event, attempts: int, *, what: str) -> None:
+    """Streams one layer into ``path`` while hashing it; resumes with a
+    Range request after a broken connection; checks size and digest; fsyncs.
+
+    Raises:
+        DataLoss: more or other bytes than the digest names.
+        Unavailable: still broken after ``attempts`` tries.
+        OSError: writing (ENOSPC: the caller's os_error makes it RESOURCE_EXHAUSTED).
+    """
+    digest = "sha256:" + f.blob
+    h = hashlib.sha256()
+    written = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        if f.size:
+            os.posix_fallocate(fd, 0, f.size)
+        attempt = 0
+        while written < f.size or (f.size == 0 and attempt == 0):
+            attempt += 1
+            if stop.is_set():
+                raise _Stopped(f"{what}: stopped, another layer failed")
+            try:
+                with client.open_blob(repository, digest, offset=written) as r:
+                    if written and r.status == 200:
+                        h, written = hashlib.sha256(), 0  # the registry ignored the Range: start over
+                    while True:
+                        chunk = r.resp.read(IO_BYTES)
+                        if not chunk:
+                            break
+                        if written + len(chunk) > f.size:
+                            raise DataLoss(f"{what}: the registry sent more than its {f.size} bytes; nothing "
+                                           "was published")
+                        _pwrite_all(fd, chunk, written)
+                        h.update(chunk)
+                        written += len(chunk)
+                        counter.add(len(chunk))
+                        if stop.is_set():
+                            raise _Stopped(f"{what}: stopped, another layer failed")
+            except NotFound:
+                raise NotFound(f"{what}: the registry has no blob {digest}") from None
+            except (Unavailable, OSError, http.client.HTTPException) as exc:
+                if isinstance(exc, OSError) and not _is_network(exc):
+                    raise
+                if attempt >= attempts:
+                    raise Unavailable(f"{what}: download broke off after {written} of {f.size} bytes "
+                                      f"({attempt} attempts: {exc}); nothing was published, retry is safe") from None
+                log.warning("%s: broke off after %d of %d bytes (%s); resuming with a Range request", what,
+                            written, f.size, exc)
+                time.sleep(min(2.0, 0.2 * attempt))
+                continue
+            if written < f.size:
+                if attempt >= attempts:
+                    raise Unavailable(f"{what}: truncated download, {written} of {f.size} bytes after {attempt} "
+                                      "attempts; nothing was published, retry is safe")
+                log.warning("%s: response ended after %d of %d bytes; resuming", what, written, f.size)
+        if h.hexdigest() != f.blob:
+            raise DataLoss(f"{what}: the downloaded bytes hash to sha256:{h.hexdigest()}, expected {digest} "
+                           "(corrupt in the registry or on the way); nothing was published")
+        # Durable before the commit's blobs/ rename can expose it (commit step 1, done here).
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    counter.add(0, 1)
+
+
+class _Stopped(Aborted):
+    """A layer stopped because another one failed (never the error reported)."""
+
+
+def _is_network(exc: OSError) -> bool:
+    """A socket-level failure (retry), not a local write error (raise)."""
+    import errno
+
+    return isinstance(exc, (ConnectionError, TimeoutError)) or exc.errno in (
+        errno.ECONNRESET, errno.ECONNREFUSED, errno.EPIPE, errno.ETIMEDOUT, errno.EHOSTUNREACH, None)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _run_all(fn: Callable[[Any], None], items: list[Any], threads: int, stop: threading.Event | None = None) -> None:
+    """Runs ``fn`` on every item, ``threads`` at once; raises the first
+    error after the others stopped (they check ``stop``)."""
+    if not items:
+        return
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(items))), thread_name_prefix="hwr-remote") as pool:
+        futures = [pool.submit(fn, it) for it in items]
+        first: BaseException | None = None
+        for fut in futures:
+            try:
+                fut.result()
+            except BaseException as exc:  # noqa: BLE001 - the first real error wins, the rest are its echoes
+                if first is None or isinstance(first, _Stopped):
+                    first = exc
+                    if stop is not None:
+                        stop.set()
+    if first is not None:
+        raise first
+
+
+__all__ = ["Progress", "Remote", "Transfer"]

@@ -1,0 +1,85 @@
+"""gRPC handlers of the source-digest cache: ResolveSources (runtime),
+ListSources and ForgetSource (admin).
+
+Each handler validates the request, calls :class:`hwr_server.sources.cache.SourceCache`
+and builds the reply; errors are :mod:`hwr_client.core.errors` classes that the
+servicer translates in one place. Hashing blocks a gRPC worker thread (never
+an event loop): the handler waits on the cache's hashing pool.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import grpc
+
+from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.digests import check_path_text
+from hwr_client.core.errors import InvalidArgument, ResourceExhausted
+from hwr_server.access.peers import peer_of
+
+if TYPE_CHECKING:
+    from hwr_server.components import Components
+
+
+def resolve(c: Components, request: pb.ResolveSourcesRequest, context: grpc.ServicerContext) -> pb.ResolveSourcesReply:
+    """ResolveSources: one SourceDigest per requested path, in order, for
+    the calling peer (what it may read itself; see hwr_server.sources.cache).
+
+    Every path is validated here, before any file is looked at.
+
+    Raises:
+        InvalidArgument: no paths; a path with a NUL byte or of PATH_MAX
+            bytes or more (naming its index); a relative path.
+        ResourceExhausted: more than ``max_resolve_paths`` paths.
+        PermissionDenied, NotFound, FailedPrecondition: see SourceCache.resolve.
+    """
+    paths = list(request.paths)
+    if not paths:
+        raise InvalidArgument("ResolveSources: expected at least one path")
+    limit = c.sources.config.max_resolve_paths
+    if len(paths) > limit:
+        raise ResourceExhausted(
+            f"ResolveSources: {len(paths)} paths in one call; the limit is {limit} (max_resolve_paths in the "
+            "daemon config); send them in smaller batches"
+        )
+    for i, p in enumerate(paths):
+        check_path_text(p, f"ResolveSources: paths[{i}]")
+    digests = c.sources.resolve(paths, peer=peer_of(context))
+    return pb.ResolveSourcesReply(
+        sources=[
+            pb.SourceDigest(path=d.path, content_id=d.content_id, size=d.size, cached=d.cached, origin=d.origin)
+            for d in digests
+        ]
+    )
+
+
+def list_records(c: Components, request: pb.ListSourcesRequest, context: grpc.ServicerContext) -> pb.ListSourcesReply:
+    """ListSources: every valid cache record, sorted by path.
+
+    Raises:
+        Unavailable: the cache database cannot be read now.
+    """
+    records = c.sources.list_records()
+    return pb.ListSourcesReply(
+        records=[
+            pb.SourceRecord(
+                path=r.path, content_id=r.content_id, size=r.state.size, mtime_ns=r.state.mtime_ns,
+                recorded_unix=r.recorded_unix,
+            )
+            for r in records
+        ]
+    )
+
+
+def forget(c: Components, request: pb.ForgetSourceRequest, context: grpc.ServicerContext) -> pb.ForgetSourceReply:
+    """ForgetSource (admin socket only): drops one path's record.
+
+    Raises:
+        InvalidArgument: an empty or relative path.
+        Unavailable: the cache database cannot be written now.
+    """
+    if not request.path:
+        raise InvalidArgument("ForgetSource: expected a path")
+    check_path_text(request.path, "ForgetSource: path")
+    return pb.ForgetSourceReply(forgotten=c.sources.forget(request.path))

@@ -1,0 +1,494 @@
+"""The node-local source-digest cache (DESIGN §6).
+
+``SourceCache.resolve(paths)`` returns a content id (``sha256:<hex>``) per
+canonical checkpoint file, from the first of:
+
+1. **hub**: a Hugging Face hub cache file whose snapshot link points straight
+   at ``blobs/<64 hex>`` of the same repo: the blob name IS the file's SHA-256
+   (huggingface_hub names LFS blobs by it and verifies it on download), so
+   nothing is hashed. Only that exact topology is trusted (:func:`hub_blob_digest`).
+2. **cache**: a record in ``<root>/index.sqlite`` for the same path whose
+   device, inode, size, mtime_ns, ctime_ns and resolved symlink target all
+   equal the file's now, and whose own checksum verifies.
+3. **hashed**: otherwise the file is hashed with
+   :func:`hwr_client.core.digests.hash_file`'s primitives (one implementation for
+   daemon and client), in parallel across files on a thread pool, ONCE per
+   file however many callers ask at the same time (single flight), and the
+   record is rewritten.
+
+The cache is an optimisation only: any database failure (locked, unreadable,
+corrupt, a garbled row or a bad checksum) is logged and the file is hashed,
+so the content id is identical with or without it.
+
+Access: every path is checked by :class:`hwr_server.sources.access.SourceAccess`
+for the calling peer BEFORE a hub name, a cache record or a hash answers for
+it (the daemon runs as root and never vouches for a file
+its caller could not read itself); the hashing job then reads only the exact
+file version that was cleared. Refused is PERMISSION_DENIED, and the client
+hashes the file itself with its own rights.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import sqlite3
+import stat
+import threading
+import time
+from typing import Any, Sequence
+
+from hwr_client.core.digests import (
+    SourceDigest, check_path_text, content_id_of, hash_fd, normalize_path, open_path, real_path_of,
+    reopen_for_reading,
+)
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from hwr_server import db
+from hwr_server.access.peers import ANONYMOUS, Peer
+from hwr_server.sources.access import SourceAccess
+
+log = logging.getLogger(__name__)
+
+#: Table of this module in index.sqlite; the suffix is the record format, so
+#: a future format gets a fresh table instead of misreading this one.
+TABLE = "source_digests_v1"
+_SCHEMA = f"""CREATE TABLE IF NOT EXISTS {TABLE} (
+    path TEXT PRIMARY KEY, dev INTEGER NOT NULL, ino INTEGER NOT NULL, size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL, target TEXT NOT NULL,
+    content_id TEXT NOT NULL, recorded_unix INTEGER NOT NULL, checksum TEXT NOT NULL)"""
+
+#: A file whose ctime/mtime is this close to the moment we stat it is not
+#: recorded ("racily clean", as git calls it): a same-size rewrite within one
+#: filesystem timestamp tick would leave every stat field unchanged. Local
+#: Linux filesystems tick every few ms; 1 s also covers coarse network
+#: filesystems. Such a file is hashed again next time, then recorded.
+RACY_WINDOW_NS = 1_000_000_000
+
+#: Busy timeout of the cache's connection. Short: a locked database must not
+#: stall a start; the file is hashed instead.
+DB_TIMEOUT_S = 1.0
+
+_HEX40 = re.compile(r"^[0-9a-f]{40}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_CONTENT_ID = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class FileState:
+    """What a cache record is valid for: the file's identity and version."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    #: The real path the requested path resolves to (symlinks followed).
+    target: str
+
+    @classmethod
+    def of(cls, st: os.stat_result, target: str) -> "FileState":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, target)
+
+    def same_file_version(self, st: os.stat_result) -> bool:
+        """True when ``st`` has the same stat fields (target not compared)."""
+        return FileState.of(st, self.target) == self
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceRecordRow:
+    """One persisted cache record."""
+
+    path: str
+    state: FileState
+    content_id: str
+    recorded_unix: int
+    checksum: str
+
+    @staticmethod
+    def compute_checksum(path: str, state: FileState, content_id: str, recorded_unix: int) -> str:
+        fields = [TABLE, path, *dataclasses.astuple(state), content_id, recorded_unix]
+        return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()
+
+    @classmethod
+    def new(cls, path: str, state: FileState, content_id: str) -> "SourceRecordRow":
+        now = int(time.time())
+        return cls(path, state, content_id, now, cls.compute_checksum(path, state, content_id, now))
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> "SourceRecordRow | None":
+        """Parses a row; None when any column has the wrong type or value, or
+        the checksum does not verify."""
+        path, dev, ino, size, mtime, ctime, target, cid, recorded, checksum = row
+        ints = (dev, ino, size, mtime, ctime, recorded)
+        if not all(type(v) is int for v in ints) or not all(isinstance(v, str) for v in (path, target, cid, checksum)):
+            return None
+        if not _CONTENT_ID.match(cid):
+            return None
+        state = FileState(dev, ino, size, mtime, ctime, target)
+        if checksum != cls.compute_checksum(path, state, cid, recorded):
+            return None
+        return cls(path, state, cid, recorded, checksum)
+
+    def to_row(self) -> tuple:
+        return (self.path, *dataclasses.astuple(self.state), self.content_id, self.recorded_unix, self.checksum)
+
+
+def _is_hub_repo_dir(name: str) -> bool:
+    # "models--<org>--<name>": repo ids cannot contain "--", so exactly 3 parts.
+    parts = name.split("--")
+    return len(parts) == 3 and parts[0] == "models" and all(parts[1:]) and not name.startswith(".")
+
+
+def hub_blob_digest(path: str) -> tuple[str, os.stat_result] | None:
+    """The trusted SHA-256 of a Hugging Face hub cache file, or None.
+
+    Trusted only when ALL hold (anything else is hashed):
+    ``path`` is ``<repo>/snapshots/<40 hex rev>/<rel...>`` with ``<repo>``
+    named ``models--<org>--<name>``; ``snapshots``, the rev and any
+    subdirectory are real directories; ``path`` itself is a symlink whose
+    single hop lands on ``<repo>/blobs/<64 hex>``; that is a regular file
+    and the fully resolved path is exactly it (``blobs`` not a link).
+
+    Args:
+        path: absolute, normalized path as requested.
+
+    Returns:
+        (64 hex, lstat of the blob) or None. The caller answers with it only
+        for the inode it opened and checked itself (these checks are by name).
+    """
+    parts = path.split("/")
+    idx = [i for i in range(len(parts) - 3) if parts[i + 1] == "snapshots" and _is_hub_repo_dir(parts[i])]
+    if not idx:
+        return None
+    i = idx[-1]
+    repo = "/".join(parts[: i + 1])
+    if not _HEX40.match(parts[i + 2]) or any(p in ("", ".", "..") for p in parts[i + 3:]):
+        return None
+    try:
+        for j in range(i + 1, len(parts) - 1):
+            if not stat.S_ISDIR(os.lstat("/".join(parts[: j + 1])).st_mode):
+                return None
+        if not stat.S_ISLNK(os.lstat(path).st_mode):
+            return None
+        hop = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+        blob_hex = os.path.basename(hop)
+        blobs = os.path.join(os.path.realpath(repo), "blobs")
+        if not _HEX64.match(blob_hex) or os.path.realpath(os.path.dirname(hop)) != blobs:
+            return None
+        blob = os.path.join(blobs, blob_hex)
+        st = os.lstat(blob)
+        if not stat.S_ISREG(st.st_mode) or os.path.realpath(path) != blob:
+            return None
+    except OSError:
+        return None
+    return blob_hex, st
+
+
+class SourceCache:
+    """Content ids of canonical files for the daemon; see the module doc.
+
+    Thread-safe: gRPC worker threads call :meth:`resolve` concurrently.
+    ``hash_calls`` counts files actually hashed (tests assert on it).
+    """
+
+    def __init__(self, config: Any, *, racy_window_ns: int = RACY_WINDOW_NS):
+        self.config = config
+        self.root: str = config.root
+        self.roots = [os.path.realpath(r) for r in config.source_roots]
+        self.access = SourceAccess(self.roots)
+        self.racy_window_ns = racy_window_ns
+        threads = config.hash_threads or 2 * (os.cpu_count() or 1)
+        # Hashing threads: each hashes one file (SHA-256 is sequential within
+        # a file); hashlib releases the GIL, so N threads use N cores. Twice
+        # the cores: a cold file's thread waits on the disk part of the time,
+        # and with one thread per core that core idles (measured: 0.76 of the
+        # cold-read cap with 2 threads on 2 cores, 0.88-1.05 with 4).
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="hwr-source-hash")
+        # Guards the in-flight map and the counters. Re-entrant: a done
+        # callback added to an already finished future runs at once, in the
+        # thread that adds it (which holds this lock).
+        self._lock = threading.RLock()
+        self._inflight: dict[FileState, concurrent.futures.Future] = {}
+        self._db_lock = threading.Lock()  # the one sqlite connection
+        self._conn: sqlite3.Connection | None = None
+        self._db_failing = False
+        self.hash_calls = 0
+        self.hits = 0
+        self.misses = 0
+        self.hub_hits = 0
+        self.hashed_bytes = 0
+        self.db_errors = 0
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        """Opens the database early so a problem shows in the startup log."""
+        log.info("source cache: roots %s, %d hash thread(s)", self.roots or "(none)", self._pool._max_workers)
+        with self._db_lock:
+            self._connection()
+
+    def stop(self) -> None:
+        """Stops hashing (queued jobs are cancelled) and closes the database."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._db_lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {
+                "hwr_source_cache_hits_total": float(self.hits),
+                "hwr_source_cache_misses_total": float(self.misses),
+                "hwr_source_hub_trusted_total": float(self.hub_hits),
+                "hwr_source_hash_calls_total": float(self.hash_calls),
+                "hwr_source_hashed_bytes_total": float(self.hashed_bytes),
+                "hwr_source_cache_errors_total": float(self.db_errors),
+            }
+
+    # -- resolving -------------------------------------------------------------
+
+    def resolve(self, paths: Sequence[str], *, peer: Peer = ANONYMOUS) -> list[SourceDigest]:
+        """Content ids of ``paths``, in order, for the caller ``peer``.
+
+        Every path is checked (access for ``peer``, type; see the module doc)
+        before any file is hashed; then hub names and cache records answer
+        what they can; misses are hashed in parallel, each file once across
+        all concurrent callers.
+
+        Args:
+            paths: absolute paths.
+            peer: who asks (:func:`hwr_server.access.peers.peer_of`); the default,
+                unknown, gets only what anyone may read.
+
+        Raises:
+            InvalidArgument: a relative path, a NUL byte, a directory, FIFO
+                or device.
+            PermissionDenied: outside the source roots, or not readable by
+                ``peer`` (or by the daemon).
+            NotFound: a missing file or a broken link.
+            FailedPrecondition: a file changed or moved while it was checked
+                or hashed.
+        """
+        checked = [(p, *self._check(p, peer)) for p in paths]
+        out: list[SourceDigest | None] = []
+        pending: list[tuple[int, str, str, FileState, concurrent.futures.Future]] = []
+        for i, (path, norm, state) in enumerate(checked):
+            answer = self._answer_without_hashing(path, norm, state)
+            out.append(answer)
+            if answer is None:
+                pending.append((i, path, norm, state, self._flight(norm, state)))
+        for i, path, norm, state, future in pending:
+            try:
+                hex_digest, recorded, t0 = future.result()
+            except concurrent.futures.CancelledError:  # stop() cancelled the queued job
+                raise Unavailable(f"source {path}: the daemon is shutting down; retry") from None
+            if recorded != norm:  # joined the flight of another path to this file: record ours too
+                self._record(norm, state, hex_digest, t0)
+            out[i] = SourceDigest(path, content_id_of(hex_digest), state.size, False, "hashed")
+        with self._lock:
+            self.hits += sum(1 for d in out if d is not None and d.origin == "cache")
+            self.hub_hits += sum(1 for d in out if d is not None and d.origin == "hub")
+            self.misses += len(pending)
+        return out  # type: ignore[return-value]
+
+    def _check(self, path: str, peer: Peer) -> tuple[str, FileState]:
+        """Access and type checks of one path for ``peer``
+        (:meth:`SourceAccess.check`); returns the normalized path and the
+        state of the file it named."""
+        norm, st, real = self.access.check(path, peer)
+        return norm, FileState.of(st, real)
+
+    def _answer_without_hashing(self, path: str, norm: str, state: FileState) -> SourceDigest | None:
+        # Both answers are for the file _check opened and cleared: the hub
+        # blob only when it is that very inode, a record only when its
+        # state (device, inode, size, times, real path) is that file's now.
+        hub = hub_blob_digest(norm)
+        if hub is not None and (hub[1].st_dev, hub[1].st_ino, hub[1].st_size) == (state.dev, state.ino, state.size):
+            return SourceDigest(path, content_id_of(hub[0]), state.size, True, "hub")
+        record = self._load(norm)
+        if record is not None and record.state == state:
+            return SourceDigest(path, record.content_id, state.size, True, "cache")
+        return None
+
+    def _flight(self, path: str, state: FileState) -> concurrent.futures.Future:
+        """The in-flight hash of this file version, started if there is none.
+
+        Joining another caller's flight is safe: the flight is keyed by the
+        file version (device, inode, times, real path) that this caller's own
+        check cleared.
+        """
+        with self._lock:
+            future = self._inflight.get(state)
+            if future is None:
+                try:
+                    future = self._pool.submit(self._hash_and_record, path, state)
+                except RuntimeError:  # the pool is shut down: the daemon is stopping
+                    raise Unavailable(f"source {path}: the daemon is shutting down; retry") from None
+                self._inflight[state] = future
+                future.add_done_callback(functools.partial(self._forget_flight, state))
+            return future
+
+    def _forget_flight(self, state: FileState, _future: concurrent.futures.Future) -> None:
+        # Runs after the record is written (inside the job), so a caller that
+        # misses the flight finds the record instead of hashing again.
+        with self._lock:
+            self._inflight.pop(state, None)
+
+    def _hash_and_record(self, path: str, expected: FileState) -> tuple[str, str, int]:
+        """Hashes the file ``path`` names (one pool job) and records the result.
+
+        The name is resolved once more (no descriptor is held across the
+        queue: a request of many files must not hold as many descriptors)
+        and the file it reaches must be EXACTLY the version ``_check``
+        cleared (device, inode, size, times, real path), else nothing is
+        read. The read, the size and the after-check all use that descriptor.
+
+        Returns:
+            (64 hex, path recorded, time_ns when hashing began).
+
+        Raises:
+            FailedPrecondition: the file changed before or while it was read.
+        """
+        with self._lock:
+            self.hash_calls += 1
+        t0 = time.time_ns()
+        pfd = open_path(path)
+        try:
+            before = FileState.of(os.fstat(pfd), real_path_of(pfd, path))
+            if before != expected:
+                raise FailedPrecondition(
+                    f"source {path}: now names another file or version than the one checked (inode "
+                    f"{expected.ino} -> {before.ino}, size {expected.size} -> {before.size}, real path "
+                    f"{expected.target} -> {before.target}); not read. Retry once it is no longer being changed."
+                )
+            fd = reopen_for_reading(pfd, path)
+        finally:
+            os.close(pfd)
+        try:
+            hex_digest, nbytes = hash_fd(fd, path)
+            st_after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.hashed_bytes += nbytes
+        if not (expected.same_file_version(st_after) and nbytes == expected.size):
+            raise FailedPrecondition(
+                f"source {path}: changed while it was hashed (size {expected.size} -> {st_after.st_size}, mtime_ns "
+                f"{expected.mtime_ns} -> {st_after.st_mtime_ns}, {nbytes} bytes read); not cached. Retry once the "
+                "file is no longer being written."
+            )
+        self._record(path, expected, hex_digest, t0)
+        return hex_digest, path, t0
+
+    def _record(self, path: str, state: FileState, hex_digest: str, t0: int) -> None:
+        """Persists a record unless the file was modified within
+        :data:`RACY_WINDOW_NS` before ``t0`` (the moment hashing began)."""
+        age = t0 - max(state.mtime_ns, state.ctime_ns)
+        if age < self.racy_window_ns:
+            log.debug("source %s: modified %d ns before hashing; not recorded yet (racy)", path, age)
+            return
+        self._store(SourceRecordRow.new(path, state, content_id_of(hex_digest)))
+
+    # -- records -----------------------------------------------------------------
+
+    def _connection(self) -> sqlite3.Connection | None:
+        """The open connection, opening it if needed; None when the database
+        cannot be used now. Caller holds ``_db_lock``."""
+        if self._conn is None:
+            try:
+                conn = db.connect(self.root, timeout_s=DB_TIMEOUT_S)
+                conn.execute(_SCHEMA)
+                self._conn = conn
+            except (sqlite3.Error, OSError) as exc:
+                self._failed("open", exc)
+                return None
+        return self._conn
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """Counts a database failure and drops the connection (reopened next
+        time). Logged once per failure streak, not per file. Caller holds
+        ``_db_lock``."""
+        with self._lock:
+            self.db_errors += 1
+        if not self._db_failing:
+            log.warning("source cache %s: %s failed (%s); hashing instead", db.path_of(self.root), what, exc)
+        self._db_failing = True
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except sqlite3.Error:
+                pass
+            self._conn = None
+
+    def _query(self, what: str, sql: str, args: tuple = ()) -> list | None:
+        """Runs one statement; None on any database failure."""
+        with self._db_lock:
+            conn = self._connection()
+            if conn is None:
+                return None
+            try:
+                rows = conn.execute(sql, args).fetchall()
+            except (sqlite3.Error, OSError) as exc:
+                self._failed(what, exc)
+                return None
+            self._db_failing = False
+            return rows
+
+    def _load(self, path: str) -> SourceRecordRow | None:
+        rows = self._query("read", f"SELECT * FROM {TABLE} WHERE path = ?", (path,))
+        if not rows:
+            return None
+        try:
+            record = SourceRecordRow.from_row(rows[0])
+        except (TypeError, ValueError):
+            record = None
+        if record is None or record.path != path:
+            log.warning("source cache: record of %s is corrupt (bad field or checksum); re-hashing", path)
+            with self._lock:
+                self.db_errors += 1
+            return None
+        return record
+
+    def _store(self, record: SourceRecordRow) -> None:
+        self._query("write", f"INSERT OR REPLACE INTO {TABLE} VALUES (?,?,?,?,?,?,?,?,?,?)", record.to_row())
+
+    def list_records(self) -> list[SourceRecordRow]:
+        """Valid records, sorted by path (corrupt rows are skipped).
+
+        Raises:
+            Unavailable: the database cannot be read now.
+        """
+        rows = self._query("list", f"SELECT * FROM {TABLE} ORDER BY path")
+        if rows is None:
+            raise Unavailable(f"source cache {db.path_of(self.root)}: cannot be read now; see the daemon log")
+        out = []
+        for row in rows:
+            try:
+                record = SourceRecordRow.from_row(row)
+            except (TypeError, ValueError):
+                record = None
+            if record is not None:
+                out.append(record)
+        return out
+
+    def forget(self, path: str) -> bool:
+        """Drops the record of ``path``; False when there was none.
+
+        Raises:
+            InvalidArgument: a relative path.
+            Unavailable: the database cannot be written now.
+        """
+        if not isinstance(path, str) or not os.path.isabs(path):
+            raise InvalidArgument(f"source {path!r}: expected an absolute path")
+        check_path_text(path, f"source {path!r}")
+        rows = self._query("forget", f"DELETE FROM {TABLE} WHERE path = ? RETURNING path", (normalize_path(path),))
+        if rows is None:
+            raise Unavailable(f"source cache {db.path_of(self.root)}: cannot be written now; see the daemon log")
+        return bool(rows)
