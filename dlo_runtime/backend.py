@@ -51,14 +51,14 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from hwr_client.core.errors import FailedPrecondition, InvalidArgument
-from hwr_client.core.layout import ALIGN
+from hwr_client.core.errors import InvalidArgument
 
-from dlo_runtime import allgather as ag
+import dlo_runtime.allgather as ag
 from dlo_runtime.copy_engine import CopyEngine, make_copy_engine
 from dlo_runtime.cuda_host import default_registrar
+from dlo_runtime.host_blocks import HostBlock, lease_blocks, member_view, pack_block, pack_layout, set_tensor, shard_block
 from dlo_runtime.options import OffloadOptions
-from dlo_runtime.restore import Slot, tensor_slots
+from dlo_runtime.restore import tensor_slots
 from dlo_runtime.transports import (
     ORDINARY, STAGING, RegisteredRanges, RegistrationAborted, TransportChoice, choose_transport,
 )
@@ -73,30 +73,6 @@ _RETAINED: list["OffloadBackend"] = []
 def retained() -> list["OffloadBackend"]:
     """Backends holding a lease open because unregistration failed."""
     return list(_RETAINED)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Member:
-    owner: nn.Module
-    attr: str
-    is_parameter: bool
-    offset: int  # from the block's first byte
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    host: torch.Tensor  # the host view the tensor points at between uses
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Block:
-    name: str
-    module: nn.Module
-    host_bytes: torch.Tensor  # 1-D uint8: the block's contiguous bytes on host
-    members: tuple[_Member, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.host_bytes.numel())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,123 +106,6 @@ class OffloadStats:
     shard_bytes: int = 0  # AllGather: this rank's private host shards, all blocks
     sequence_seconds: float = 0.0  # AllGather: time in block-sequence checks
     gather_wait_seconds: float = 0.0  # AllGather: time blocked on gathers before blocks ran
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _set(owner: nn.Module, attr: str, is_parameter: bool, tensor: torch.Tensor) -> None:
-    if is_parameter:
-        param = owner._parameters[attr]
-        assert param is not None, f"{attr}: a streamed parameter slot is never None"
-        param.data = tensor  # keeps the Parameter object (hooks, references)
-    else:
-        owner._buffers[attr] = tensor
-
-
-def _view(raw: torch.Tensor, m: _Member) -> torch.Tensor:
-    return raw[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)
-
-
-def _lease_blocks(streamed: Sequence[tuple[str, nn.Module, list[Slot]]], lease: Any) -> list[_Block]:
-    """Matches each streamed module to its manifest block by name prefix and
-    checks that its tensors are bound to the lease's views.
-
-    Args:
-        streamed: (qualified name, module, its tensor slots) per block.
-
-    Raises:
-        FailedPrecondition: a block absent from the artifact, a tensor set
-            that differs, or a tensor not bound to the lease (restore first).
-    """
-    by_prefix = {b.prefix: b for b in lease.blocks}
-    entries = {t.name: t for t in lease.manifest.tensors}
-    views = lease.tensors()
-    out = []
-    for qual, blk, slots in streamed:
-        entry = by_prefix.get(qual + ".")
-        if entry is None:
-            raise FailedPrecondition(f"offload block {qual!r}: artifact has no block with prefix {qual + '.'!r}")
-        local = {qual + "." + s.name: s for s in slots}
-        if len(local) != len(entry.tensors) or not all(n in local for n in entry.tensors):
-            diff = sorted(set(local) ^ set(entry.tensors))[:5]
-            raise FailedPrecondition(f"offload block {qual!r}: tensors differ from artifact block {entry.index}: {diff}")
-        members = []
-        for name in entry.tensors:
-            s, view = local[name], views[name]
-            t = s.tensor
-            if t.data_ptr() != view.data_ptr():
-                raise FailedPrecondition(f"offload block {qual!r}: {name} is not bound to the lease; call restore_model() first")
-            te = entries[name]
-            members.append(_Member(s.module, s.attr, s.is_parameter, te.offset - entry.begin, te.nbytes,
-                                   t.dtype, tuple(t.shape), view))
-        out.append(_Block(qual, blk, lease.block_bytes(entry.index), tuple(members)))
-    return out
-
-
-def _pack_layout(qual: str, slots: list[Slot]) -> tuple[list[tuple[nn.Module, str, bool, int, torch.Tensor]], int]:
-    """Each tensor's offset in the block's aligned layout, and the size."""
-    rows, pos = [], 0
-    for s in slots:
-        t = s.tensor
-        if t.is_meta:
-            raise FailedPrecondition(f"offload block {qual!r}: {s.name} is on meta; load the model first")
-        pos = _align(pos)
-        rows.append((s.module, s.attr, s.is_parameter, pos, t))
-        pos += t.numel() * t.element_size()
-    return rows, pos
-
-
-def _pack_block(qual: str, blk: nn.Module, slots: list[Slot], *, pin: bool) -> _Block:
-    """Packs a block's tensors into one host buffer with the aligned layout
-    and repoints them at it (the ordinary transport's one extra host copy;
-    the original storage is released once nothing else references it)."""
-    rows, pos = _pack_layout(qual, slots)
-    host = torch.empty(max(pos, 1), dtype=torch.uint8, pin_memory=pin)
-    members = []
-    for owner, attr, isp, off, t in rows:
-        n = t.numel() * t.element_size()
-        host[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        m = _Member(owner, attr, isp, off, n, t.dtype, tuple(t.shape), host[:0])
-        m = dataclasses.replace(m, host=_view(host, m))
-        _set(owner, attr, isp, m.host)
-        members.append(m)
-    return _Block(qual, blk, host[:pos], tuple(members))
-
-
-def _shard_block(qual: str, blk: nn.Module, slots: list[Slot], lease_block: _Block | None, size: int, rank: int,
-                 out: torch.Tensor) -> tuple[_Block, ag.ShardPlan]:
-    """AllGather: writes this rank's shard of a block into ``out`` and
-    points the block's tensors at placeholders (see
-    :mod:`dlo_runtime.allgather`). The bytes come from the lease's block
-    (``lease_block``) or, without one, straight from each tensor's bytes in
-    the aligned layout (no full packed copy is made)."""
-    if lease_block is not None:
-        plan = ag.ShardPlan.of(lease_block.nbytes, size, rank)
-        members = lease_block.members
-        n = max(0, min(plan.shard, plan.nbytes - plan.begin))
-        out[:n].copy_(lease_block.host_bytes[plan.begin : plan.begin + n])
-        out[n:].zero_()
-    else:
-        rows, pos = _pack_layout(qual, slots)
-        plan = ag.ShardPlan.of(pos, size, rank)
-        out.zero_()  # alignment gaps and padding
-        members = []
-        for owner, attr, isp, off, t in rows:
-            nbytes = t.numel() * t.element_size()
-            cut = plan.overlap(off, nbytes)
-            if cut is not None:
-                raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-                dst = off + cut[0] - plan.begin
-                out[dst : dst + cut[1]].copy_(raw[cut[0] : cut[0] + cut[1]])
-            members.append(_Member(owner, attr, isp, off, nbytes, t.dtype, tuple(t.shape), t))
-    held = tuple(dataclasses.replace(m, host=ag.placeholder(m.dtype, m.shape)) for m in members)
-    for m in held:
-        # The rank's full copy of the block is dropped here: the tensor
-        # (a lease view or an ordinary tensor) is no longer referenced.
-        _set(m.owner, m.attr, m.is_parameter, m.host)
-    return _Block(qual, blk, out[:0], held), plan
 
 
 class OffloadBackend:
@@ -288,7 +147,7 @@ class OffloadBackend:
         self.trail: list[str] = ["owned"]
         self._choice = TransportChoice(ORDINARY, "not started")
         self._ranges: RegisteredRanges | None = None
-        self._blocks: list[_Block] = []
+        self._blocks: list[HostBlock] = []
         self._hooks: list[Any] = []
         self._buffers: list[torch.Tensor] = []
         self._staging: list[torch.Tensor] = []
@@ -355,9 +214,9 @@ class OffloadBackend:
         # reachable from a streamed block stays on the host.
         skip = {id(s.tensor) for _, _, slots in walks for s in slots}
         if self._lease is not None:
-            self._blocks = _lease_blocks(walks, self._lease)
+            self._blocks = lease_blocks(walks, self._lease)
         else:
-            self._blocks = [_pack_block(qual, b, slots, pin=pin) for qual, b, slots in walks]
+            self._blocks = [pack_block(qual, b, slots, pin=pin) for qual, b, slots in walks]
         self._make_resident(skip | {id(m.host) for b in self._blocks for m in b.members})
         o = self.options
         self._choice = choose_transport(self._registrar, cap, self._lease, pin_memory=o.pin_memory,
@@ -394,15 +253,15 @@ class OffloadBackend:
         names = {id(m): n for n, m in self._module.named_modules()}
         walks = [(names[id(b)], b, tensor_slots(b).slots) for b in self._all_blocks[self._resident :]]
         skip = {id(s.tensor) for _, _, slots in walks for s in slots}
-        leased = _lease_blocks(walks, self._lease) if self._lease is not None else [None] * len(walks)
-        sizes = [lb.nbytes if lb is not None else _pack_layout(q, sl)[1] for (q, _, sl), lb in zip(walks, leased)]
+        leased = lease_blocks(walks, self._lease) if self._lease is not None else [None] * len(walks)
+        sizes = [lb.nbytes if lb is not None else pack_layout(q, sl)[1] for (q, _, sl), lb in zip(walks, leased)]
         plans = [ag.ShardPlan.of(n, size, rank) for n in sizes]
         # One private (pinned on CUDA) buffer holds every shard of this rank.
         self._shard_store = store = torch.empty(max(1, sum(p.shard for p in plans)), dtype=torch.uint8, pin_memory=pin)
         pos = 0
         for (qual, blk, slots), lb, p in zip(walks, leased, plans):
             out = store[pos : pos + p.shard]
-            blk_, plan = _shard_block(qual, blk, slots, lb, size, rank, out)
+            blk_, plan = shard_block(qual, blk, slots, lb, size, rank, out)
             assert plan == p
             self._blocks.append(blk_)
             self._plans.append(plan)
@@ -510,7 +369,7 @@ class OffloadBackend:
         self._engine.before_compute(slot)
         raw = self._buffers[slot]
         for m in self._blocks[j].members:
-            _set(m.owner, m.attr, m.is_parameter, _view(raw, m))
+            set_tensor(m.owner, m.attr, m.is_parameter, member_view(raw, m))
 
     def _post(self, j: int) -> None:
         slot = self._slot_of(j)
@@ -518,7 +377,7 @@ class OffloadBackend:
         # The next copy into this slot waits for this block's kernels.
         self._engine.after_compute(slot)
         for m in self._blocks[j].members:
-            _set(m.owner, m.attr, m.is_parameter, m.host)
+            set_tensor(m.owner, m.attr, m.is_parameter, m.host)
         n = len(self._blocks)
         nxt = (j + 2) % n
         if n > 2 and self._slot_of(nxt) is None:
@@ -545,7 +404,7 @@ class OffloadBackend:
             h.remove()
         for b in self._blocks:
             for m in b.members:
-                _set(m.owner, m.attr, m.is_parameter, m.host)
+                set_tensor(m.owner, m.attr, m.is_parameter, m.host)
         self._hooks, self._buffers, self._staging, self._blocks = [], [], [], []
         self._shards, self._shard_store = [], None
         self._module, self._all_blocks = None, []

@@ -357,46 +357,6 @@ class GenericContract(Contract):
         return out
 
 
-# -- registry ------------------------------------------------------------------
-
-_CONTRACTS: dict[str, Contract] = {}
-
-
-def register_contract(contract: Contract) -> Contract:
-    """Makes ``contract`` available by name (``hwr prewarm --contract``);
-    a later registration of the same name replaces the earlier one."""
-    _CONTRACTS[contract.name] = contract
-    return contract
-
-
-def _register_shipped() -> None:
-    """Registers the contracts that ship, once, without replacing one a
-    caller registered under the same name first. The reference model's
-    contract lives beside the model and subclasses :class:`Contract`, so it
-    is imported here, on first lookup, not when this module loads."""
-    from dlo_runtime.models.tiny_dit_contract import TinyDiTContract
-
-    for contract in (TinyDiTContract(), GenericContract()):
-        _CONTRACTS.setdefault(contract.name, contract)
-
-
-def get_contract(name: str) -> Contract:
-    """The registered contract called ``name``.
-
-    Raises:
-        InvalidArgument: unknown name (the message lists the known ones).
-    """
-    _register_shipped()
-    try:
-        return _CONTRACTS[name]
-    except KeyError:
-        raise InvalidArgument(f"contract {name!r}: unknown; expected one of {sorted(_CONTRACTS)}") from None
-
-
-def contract_names() -> list[str]:
-    """Names of the registered contracts, sorted."""
-    _register_shipped()
-    return sorted(_CONTRACTS)
 
 
 def check_no_meta(model: nn.Module) -> None:

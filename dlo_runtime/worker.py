@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from dlo_runtime.allgather import group_size, is_placeholder
-from dlo_runtime.contracts import Contract, check_no_meta, get_contract, private_bytes
+from dlo_runtime.contracts import Contract, check_no_meta, private_bytes
+from dlo_runtime.contract_registry import get_contract
 from hwr_client.core.errors import InvalidArgument
 from hwr_client.resolve import Mode, Outcome, parse_mode
 

@@ -27,7 +27,7 @@ import torch
 from hwr_client.core.errors import InvalidArgument
 from dlo_runtime import GroupChoice, offload_group, validate_wave
 from dlo_runtime.allgather import ShardPlan
-from dlo_runtime.contracts import get_contract
+from dlo_runtime.contract_registry import get_contract
 from dlo_runtime.models.tiny_dit import TinyDiTConfig, sample_inputs, write_checkpoint
 from dlo_runtime.worker import BLOB_DIR_MARK, WorkerOptions, output_digest, run, start_worker
 from tests.daemon import cleanup, make_daemon

@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dlo_runtime import contracts
-from dlo_runtime.contracts import GenericContract, check_no_meta, get_contract, parse_layout
+from dlo_runtime.contracts import GenericContract, check_no_meta, parse_layout
+from dlo_runtime.contract_registry import get_contract
 from dlo_runtime.models.tiny_dit import TinyDiTConfig, canonical_names, write_checkpoint
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 

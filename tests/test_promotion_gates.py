@@ -17,7 +17,8 @@ import torch
 
 import hwr_client
 from dlo_runtime import contracts as contracts_mod
-from dlo_runtime.contracts import check_no_meta, get_contract
+from dlo_runtime.contracts import check_no_meta
+from dlo_runtime.contract_registry import get_contract
 from dlo_runtime.models.tiny_dit import TinyDiTConfig, sample_inputs, write_checkpoint
 from dlo_runtime.restore import compare_snapshots, plan_restore, snapshot
 from dlo_runtime.worker import WorkerOptions, start_worker

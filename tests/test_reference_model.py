@@ -9,7 +9,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from dlo_runtime.contracts import get_contract
+from dlo_runtime.contract_registry import get_contract
 from dlo_runtime.models.tiny_dit import TinyDiTConfig, sample_inputs, write_checkpoint
 
 CFG = TinyDiTConfig(hidden=32, depth=3, heads=4, image=8, freq_dim=16)

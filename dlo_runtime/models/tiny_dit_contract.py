@@ -4,7 +4,7 @@ kept beside the model it describes: copy this file for a real model.
 Its checkpoint differs from its runtime layout the way real ones do: q/k/v
 are packed into one ``qkv`` linear, fp32 is cast to bf16 with norms kept
 fp32, and ``pos_embed`` and ``t_embedder.freqs`` are computed at load.
-Registered as ``tiny-dit`` (:func:`dlo_runtime.contracts.get_contract`).
+Registered as ``tiny-dit`` (:func:`dlo_runtime.contract_registry.get_contract`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The ``hwr`` command line.
 
 Each group of subcommands lives in its own module with a ``register(sub)``
-function: ``serve`` (hwr_server.cli), ``store`` (import/ls/inspect/verify/rm/
+function: ``serve`` (hwr_client.cli.serve, the flags of hwr_server.cli), ``store`` (import/ls/inspect/verify/rm/
 stats), ``leases``, ``sources``, ``gc``, ``demo`` (demo/prewarm). Errors from
 the daemon are printed as one line and mapped to an exit code; ``--verbose``
 shows the traceback.
@@ -18,7 +18,7 @@ from hwr_client.core.errors import HwrError
 
 #: Modules providing ``register(subparsers)``, in help order.
 COMMAND_MODULES = (
-    "hwr_server.cli",
+    "hwr_client.cli.serve",
     "hwr_client.cli.store",
     "hwr_client.cli.leases",
     "hwr_client.cli.sources",

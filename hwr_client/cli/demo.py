@@ -88,7 +88,7 @@ def run_prewarm(args: argparse.Namespace) -> int:
         return 0
     # The runtime imports torch: only this command pays for it, the parser
     # (and `hwr serve`) stays light.
-    from dlo_runtime.contracts import get_contract
+    from dlo_runtime.contract_registry import get_contract
 
     contract = get_contract(args.contract)
     with client_from(args) as client:

@@ -51,22 +51,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from hwr_client.core._proto import hwr_pb2 as pb
-from hwr_client.core.errors import (
-    Aborted,
-    FailedPrecondition,
-    HwrError,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-)
-from hwr_client.core.plan import (
-    CheckedPlan,
-    build_manifest,
-    check_plan,
-    check_plan_message,
-    check_plan_sizes,
-    from_proto,
-)
+from hwr_client.core.errors import Aborted, FailedPrecondition, HwrError, InvalidArgument, NotFound, ResourceExhausted
+from hwr_client.core.plan import CheckedPlan, build_manifest, check_plan, check_plan_message, check_plan_sizes, from_proto
 from hwr_server.access.files import Untrusted, open_stored
 from hwr_server.access.peers import ANONYMOUS, Peer
 from hwr_server.publish.limits import plan_limits
@@ -84,6 +70,8 @@ MAX_OPEN_FILES = 8
 #: Finished files (ordered mode) whose background fsync may be pending, each
 #: holding its descriptor until fsynced; the writer waits beyond that.
 MAX_PENDING_FSYNCS = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class Committed:
     key: str

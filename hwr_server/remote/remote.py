@@ -48,20 +48,15 @@ stored artifact.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import http.client
 import logging
 import os
 import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from hwr_client.core.errors import (
-    Aborted, DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
-)
+from hwr_client.core.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.core.identity import check_key
 from hwr_client.core.manifest import Manifest
 from hwr_server.access.files import Untrusted, open_stored
@@ -70,7 +65,8 @@ from hwr_server.interfaces import RemoteStore
 from hwr_server.remote.oci import (
     MANIFEST_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES, build_oci_manifest, check_config, digest_of, parse_oci_manifest,
 )
-from hwr_server.remote.registry import IO_BYTES, Reference, RegistryClient, client_for, parse_reference
+from hwr_server.remote.registry import Reference, RegistryClient, client_for, parse_reference
+from hwr_server.remote.transfer import download_layer, link_stored, run_all
 from hwr_server.store import commit as durable
 from hwr_server.store.recovery import verify_artifact
 from hwr_server.store.staging_io import os_error
@@ -265,7 +261,7 @@ class Remote:
                 sent[1] += 1
             counter.add(0, 1)
 
-        _run_all(one, layers, rem.parallel_layers)
+        run_all(one, layers, rem.parallel_layers)
         config_digest = digest_of(config)
         if client.blob_size(repo, config_digest, push=True) != len(config):
             client.put_bytes_blob(repo, config_digest, config)
@@ -416,7 +412,7 @@ class Remote:
             for f, path in zip(manifest.files, paths):
                 if f.blob in fetch:
                     continue  # a second file of the same bytes: linked after the download below
-                if f.blob not in bad and _link_stored(store.blob_path(f.blob), path, f.size):
+                if f.blob not in bad and link_stored(store.blob_path(f.blob), path, f.size):
                     continue
                 fetch[f.blob] = (f, path)
             total = sum(f.size for f, _ in fetch.values())
@@ -429,11 +425,11 @@ class Remote:
 
             def one(item: tuple[Any, str]) -> None:
                 f, path = item
-                _download(client, ref.repository, f, path, counter, stop, rem.layer_attempts,
+                download_layer(client, ref.repository, f, path, counter, stop, rem.layer_attempts,
                           what=f"{reference} layer {f.index} ({f.name})")
 
             try:
-                _run_all(one, list(fetch.values()), rem.parallel_layers, stop)
+                run_all(one, list(fetch.values()), rem.parallel_layers, stop)
             except BaseException:
                 stop.set()
                 raise
@@ -473,129 +469,6 @@ def _synced() -> None:
     download thread right after its digest matched (while other layers
     were still flowing), and a hard link of a stored blob shares the blob's
     durable inode; nothing is left to sync."""
-
-
-def _link_stored(blob: str, path: str, size: int) -> bool:
-    """Hard-links the stored blob of the right size into staging; False
-    when it is missing, a link, or another size (then it is downloaded)."""
-    try:
-        fd, st = open_stored(blob, what=f"blob {os.path.basename(blob)[:12]}")
-    except (FileNotFoundError, Untrusted):
-        return False
-    try:
-        if st.st_size != size:
-            return False
-        os.link(blob, path, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False  # collected meanwhile
-    finally:
-        os.close(fd)
-
-
-def _download(client: RegistryClient, repository: str, f: Any, path: str, counter: _Counter,
-              stop: threading.Event, attempts: int, *, what: str) -> None:
-    """Streams one layer into ``path`` while hashing it; resumes with a
-    Range request after a broken connection; checks size and digest; fsyncs.
-
-    Raises:
-        DataLoss: more or other bytes than the digest names.
-        Unavailable: still broken after ``attempts`` tries.
-        OSError: writing (ENOSPC: the caller's os_error makes it RESOURCE_EXHAUSTED).
-    """
-    digest = "sha256:" + f.blob
-    h = hashlib.sha256()
-    written = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        if f.size:
-            os.posix_fallocate(fd, 0, f.size)
-        attempt = 0
-        while written < f.size or (f.size == 0 and attempt == 0):
-            attempt += 1
-            if stop.is_set():
-                raise _Stopped(f"{what}: stopped, another layer failed")
-            try:
-                with client.open_blob(repository, digest, offset=written) as r:
-                    if written and r.status == 200:
-                        h, written = hashlib.sha256(), 0  # the registry ignored the Range: start over
-                    while True:
-                        chunk = r.resp.read(IO_BYTES)
-                        if not chunk:
-                            break
-                        if written + len(chunk) > f.size:
-                            raise DataLoss(f"{what}: the registry sent more than its {f.size} bytes; nothing "
-                                           "was published")
-                        _pwrite_all(fd, chunk, written)
-                        h.update(chunk)
-                        written += len(chunk)
-                        counter.add(len(chunk))
-                        if stop.is_set():
-                            raise _Stopped(f"{what}: stopped, another layer failed")
-            except NotFound:
-                raise NotFound(f"{what}: the registry has no blob {digest}") from None
-            except (Unavailable, OSError, http.client.HTTPException) as exc:
-                if isinstance(exc, OSError) and not _is_network(exc):
-                    raise
-                if attempt >= attempts:
-                    raise Unavailable(f"{what}: download broke off after {written} of {f.size} bytes "
-                                      f"({attempt} attempts: {exc}); nothing was published, retry is safe") from None
-                log.warning("%s: broke off after %d of %d bytes (%s); resuming with a Range request", what,
-                            written, f.size, exc)
-                time.sleep(min(2.0, 0.2 * attempt))
-                continue
-            if written < f.size:
-                if attempt >= attempts:
-                    raise Unavailable(f"{what}: truncated download, {written} of {f.size} bytes after {attempt} "
-                                      "attempts; nothing was published, retry is safe")
-                log.warning("%s: response ended after %d of %d bytes; resuming", what, written, f.size)
-        if h.hexdigest() != f.blob:
-            raise DataLoss(f"{what}: the downloaded bytes hash to sha256:{h.hexdigest()}, expected {digest} "
-                           "(corrupt in the registry or on the way); nothing was published")
-        # Durable before the commit's blobs/ rename can expose it (commit step 1, done here).
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    counter.add(0, 1)
-
-
-class _Stopped(Aborted):
-    """A layer stopped because another one failed (never the error reported)."""
-
-
-def _is_network(exc: OSError) -> bool:
-    """A socket-level failure (retry), not a local write error (raise)."""
-    import errno
-
-    return isinstance(exc, (ConnectionError, TimeoutError)) or exc.errno in (
-        errno.ECONNRESET, errno.ECONNREFUSED, errno.EPIPE, errno.ETIMEDOUT, errno.EHOSTUNREACH, None)
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def _run_all(fn: Callable[[Any], None], items: list[Any], threads: int, stop: threading.Event | None = None) -> None:
-    """Runs ``fn`` on every item, ``threads`` at once; raises the first
-    error after the others stopped (they check ``stop``)."""
-    if not items:
-        return
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(items))), thread_name_prefix="hwr-remote") as pool:
-        futures = [pool.submit(fn, it) for it in items]
-        first: BaseException | None = None
-        for fut in futures:
-            try:
-                fut.result()
-            except BaseException as exc:  # noqa: BLE001 - the first real error wins, the rest are its echoes
-                if first is None or isinstance(first, _Stopped):
-                    first = exc
-                    if stop is not None:
-                        stop.set()
-    if first is not None:
-        raise first
 
 
 __all__ = ["Progress", "Remote", "Transfer"]

@@ -1,55 +1,8 @@
-"""Whole pipelines in small memory: components that load on first use,
-release after their last use in a call, and reload warm from HWR.
-
-A diffusers pipeline materializes every component before its first stage,
-so its peak is the sum of the components although no two of FLUX's are
-needed at once. :func:`lazy_pipeline` builds the real pipeline with
-:class:`LazyComponent` proxies in place of the listed components. A proxy
-loads its component through :func:`dlo_runtime.from_pretrained` (so through
-HWR: the first load publishes, every reload is a ``LOCAL_HIT``, a lease and
-views, nothing materialized) on first use, and the pipeline releases it
-after its last use in a call. Peak memory becomes the largest set in use at
-once.
-
-The release policy (the README's "Lazy pipelines and host-weight plans"):
-
-- a *use* is a completed call of the component (``proxy(...)``) or of one of
-  its public methods (``vae.decode(...)``; private housekeeping such as
-  diffusers' ``_reset_stateful_cache`` is not a use); reads that only need the config
-  (``config``, ``dtype``, ``device``, plain attributes the constructor set)
-  are answered from a meta skeleton and load nothing;
-- every call, the first one included, releases a component at its
-  *declared* last use: a checked class declares the order in which a call
-  uses its components (:attr:`CheckedPipeline.use_order`; FLUX: CLIP, T5,
-  transformer, VAE; img2img: CLIP, T5, VAE, transformer, VAE), a use moves
-  the call to the next stage naming that component, and entering a stage
-  releases every component whose last stage lies before it; so the first
-  call (often the only one a short-lived worker serves) holds the largest
-  set in use at once, not the sum;
-- each call counts each component's uses; from the second call on, a
-  component is also released right after the use that was its last one in
-  the previous call (earlier than the declared point where the counts know
-  more);
-- a use after a release (the call took another path) reloads it, counted in
-  ``unplanned_reloads`` and noted; a component whose declared release was
-  too early drops it from the next call on and keeps only the counted one;
-- every call, successful or not, releases what is still loaded on the way
-  out; a failing release never replaces the exception being raised (it is
-  logged and added to it as a note);
-- a component whose tensors changed after load (bytes or data pointers,
-  checked with :func:`dlo_runtime.restore.snapshot` at release: pointers for
-  the lease's read-only views, xxh3 of private bytes) or that had an
-  attribute set through its proxy is *refused for deferral*: it stays
-  resident from then on, so it never comes back different, and the report
-  says why.
-
-Deferral is opt-in per pipeline class (:data:`CHECKED_PIPELINES`): only the
-listed components of a checked class defer; an unchecked class loads every
-component with its own ``from_pretrained`` and the report says so (the
-seed's lesson: a stage that mutates a component or reads an attribute that
-materializes it makes release unsafe or useless, so each class is checked
-first).
-"""
+"""The lazy pipeline: :func:`lazy_pipeline` builds the library's own
+pipeline with :class:`~dlo_runtime.lazy.proxy.LazyComponent` proxies in
+place of the deferred components, and :class:`LazyPipeline` loads, counts
+and releases them at the call boundary (policy: the :mod:`dlo_runtime.lazy`
+doc)."""
 
 from __future__ import annotations
 
@@ -62,103 +15,12 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from dlo_runtime.lazy.policy import CHECKED_PIPELINES, DEFAULT_COMPONENTS, CheckedPipeline, ComponentReport
+from dlo_runtime.lazy.proxy import LazyComponent
+from dlo_runtime.placement import OffloadDecision, host_offload
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 
-from dlo_runtime.placement import OffloadDecision, host_offload
-
 log = logging.getLogger(__name__)
-
-@dataclasses.dataclass(frozen=True)
-class CheckedPipeline:
-    """A pipeline class checked for release and reload.
-
-    Attributes:
-        components: the components that may defer.
-        use_order: the components in the order one call uses them; a
-            component may appear more than once (img2img's VAE encodes, then
-            decodes). A use (a call, a method, any load) moves the call to
-            the next stage naming the component, and entering a stage
-            releases every component whose last stage lies before it: the
-            first call's release points, before any use was counted.
-    """
-
-    components: tuple[str, ...]
-    use_order: tuple[str, ...]
-
-    def last_stage(self, name: str) -> int | None:
-        """Index of the last stage naming ``name`` (None: not declared)."""
-        found = [i for i, st in enumerate(self.use_order) if st == name]
-        return found[-1] if found else None
-
-    def next_stage(self, name: str, current: int) -> int | None:
-        """The first stage at or after ``current`` naming ``name`` (None:
-        this use is not on the declared path)."""
-        return next((i for i in range(current, len(self.use_order)) if self.use_order[i] == name), None)
-
-
-#: Pipeline classes whose components were checked for release and reload
-#: (no stage mutates them after load; no stage reads an attribute that needs
-#: weights before their use), with the components that may defer and their
-#: declared use order (read from the classes' ``__call__`` in diffusers
-#: 0.42: ``encode_prompt`` runs CLIP, then T5; the transformer denoises; the
-#: VAE decodes).
-CHECKED_PIPELINES: dict[str, CheckedPipeline] = {
-    "FluxPipeline": CheckedPipeline(("text_encoder", "text_encoder_2", "transformer", "vae"),
-                                    ("text_encoder", "text_encoder_2", "transformer", "vae")),
-    # The VAE encodes the input image before denoising and decodes after:
-    # its last use is the decode, so it overlaps the transformer.
-    "FluxImg2ImgPipeline": CheckedPipeline(("text_encoder", "text_encoder_2", "transformer", "vae"),
-                                           ("text_encoder", "text_encoder_2", "vae", "transformer", "vae")),
-}
-
-DEFAULT_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae")
-
-#: Methods that return the module itself: on the proxy they return the proxy,
-#: so ``pipe.vae = pipe.vae.to(device)`` keeps it releasable.
-_SELF_RETURNING = ("to", "eval", "train", "requires_grad_", "cpu", "cuda", "float", "half", "bfloat16")
-
-#: Methods a released component can answer without loading: a fresh reload
-#: has no state to reset.
-_STATELESS_WHEN_RELEASED = ("_reset_stateful_cache",)
-
-
-@dataclasses.dataclass
-class ComponentReport:
-    """One component of a :class:`LazyPipeline`.
-
-    Attributes:
-        name: the pipeline attribute (``"transformer"``).
-        deferred: loaded on first use and released after its last use.
-        why: why it is (or is not) deferred.
-        plan: the load path: ``<outcome> (<placement>)`` of the last load.
-        loads: completed loads (the first and every reload).
-        load_seconds: wall seconds of each load, in order.
-        bytes_materialized: private bytes each load allocated (0 on a warm
-            reload).
-        outcomes: the :func:`from_pretrained` outcome of each load.
-        resident_bytes: tensor bytes the loaded component holds (its peak
-            memory contribution while loaded: private plus mapped pages).
-        uses_per_call: uses counted in the last completed call (the release
-            point of the next one).
-        unplanned_reloads: reloads inside a call after a release in the
-            same call (declared or counted).
-        release: the release point the next call uses.
-        notes: anything worth a look.
-    """
-
-    name: str
-    deferred: bool
-    why: str
-    plan: str = ""
-    loads: int = 0
-    load_seconds: list[float] = dataclasses.field(default_factory=list)
-    bytes_materialized: list[int] = dataclasses.field(default_factory=list)
-    outcomes: list[str] = dataclasses.field(default_factory=list)
-    resident_bytes: int = 0
-    uses_per_call: int | None = None
-    unplanned_reloads: int = 0
-    release: str = ""
-    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def _tensor_bytes(model: nn.Module) -> int:
@@ -171,132 +33,6 @@ def _tensor_bytes(model: nn.Module) -> int:
             seen.add(ptr)
             total += t.untyped_storage().nbytes()
     return total
-
-
-class LazyComponent:
-    """A pipeline component that loads on first use (see the module doc).
-
-    ``isinstance(proxy, ComponentClass)`` is True (``__class__`` is
-    forwarded); ``to``/``eval``/``requires_grad_``... return the proxy;
-    config-only reads load nothing. Built by :func:`lazy_pipeline`.
-    """
-
-    def __init__(self, owner: "LazyPipeline", name: str, cls: type, shell: nn.Module):
-        d = object.__getattribute__(self, "__dict__")
-        d.update(_lazy_owner=owner, _lazy_name=name, _lazy_cls=cls, _lazy_shell=shell,
-                 _lazy_loaded=None, _lazy_real=None, _lazy_snapshot=None, _lazy_regions=(),
-                 _lazy_pending=[], _lazy_refused="")
-        # diffusers records a component's (library, class) from __module__.
-        d["__module__"] = cls.__module__
-
-    # -- identity ---------------------------------------------------------------
-
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:  # noqa: D401 - isinstance stays honest (FSDP / compile checks branch on it)
-        return object.__getattribute__(self, "_lazy_cls")
-
-    def __repr__(self) -> str:
-        state = "loaded" if self._lazy_real is not None else "released"
-        return f"<LazyComponent {self._lazy_name}: {self._lazy_cls.__name__} ({state})>"
-
-    @property
-    def is_loaded(self) -> bool:
-        """Whether the component is in memory now."""
-        return self._lazy_real is not None
-
-    # -- loading and release ----------------------------------------------------
-
-    def _lazy_materialize(self) -> nn.Module:
-        real = self._lazy_real
-        if real is None:
-            # A load starts a use: what its stage ends goes first, so the
-            # two are never loaded together.
-            self._lazy_owner._before_use(self)
-            real = self._lazy_owner._load(self)
-        return real
-
-    def _lazy_release(self) -> bool:
-        """Releases the loaded component unless it changed after load.
-
-        Returns:
-            True when released; False when nothing was loaded or it was
-            refused for deferral (kept resident).
-        """
-        return self._lazy_owner._release(self)
-
-    # -- attribute access -------------------------------------------------------
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_lazy_"):
-            raise AttributeError(name)
-        real = self._lazy_real
-        if real is None:
-            if name in _STATELESS_WHEN_RELEASED and hasattr(self._lazy_shell, name):
-                return lambda *a, **k: None
-            if name == "device":
-                return self._lazy_owner._device_of()
-            # Config-only reads: the meta skeleton has the config, the dtypes
-            # and every plain attribute its constructor set; no weight.
-            value = getattr(self._lazy_shell, name)  # AttributeError: the real one lacks it too
-            if name in ("config", "dtype") or not (callable(value) or isinstance(value, (torch.Tensor, nn.Module))):
-                return value
-            real = self._lazy_materialize()
-        value = getattr(real, name)
-        if callable(value) and not isinstance(value, (torch.Tensor, nn.Module)) and hasattr(value, "__self__"):
-            return self._lazy_owner._wrap_use(self, value)
-        return value
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # A stage that writes into a component makes a reload come back
-        # different: from now on it stays resident.
-        real = self._lazy_materialize()
-        self._lazy_owner._refuse(self, f"attribute {name!r} set through the proxy after load")
-        setattr(real, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        real = self._lazy_materialize()
-        self._lazy_owner._refuse(self, f"attribute {name!r} deleted through the proxy after load")
-        delattr(real, name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._lazy_owner._wrap_use(self, None)(*args, **kwargs)
-
-    def __dir__(self) -> list[str]:
-        return dir(self._lazy_real if self._lazy_real is not None else self._lazy_shell)
-
-    def _lazy_self_returning(self, method: str, *args: Any, **kwargs: Any) -> "LazyComponent":
-        # Recorded whether loaded or not (the last call per method): a reload
-        # must come back where the caller put it. Applied now when loaded.
-        pending = [p for p in self._lazy_pending if p[0] != method] + [(method, args, kwargs)]
-        object.__getattribute__(self, "__dict__")["_lazy_pending"] = pending
-        real = self._lazy_real
-        if real is not None:
-            getattr(real, method)(*args, **kwargs)
-        return self
-
-    def to(self, *args: Any, **kwargs: Any) -> "LazyComponent":
-        """``module.to(...)``; returns the proxy (applied on every load)."""
-        return self._lazy_self_returning("to", *args, **kwargs)
-
-    def eval(self) -> "LazyComponent":
-        """``module.eval()``; returns the proxy."""
-        return self._lazy_self_returning("eval")
-
-    def train(self, mode: bool = True) -> "LazyComponent":
-        """``module.train(mode)``; returns the proxy."""
-        return self._lazy_self_returning("train", mode)
-
-    def requires_grad_(self, requires_grad: bool = True) -> "LazyComponent":
-        """``module.requires_grad_(...)``; returns the proxy."""
-        return self._lazy_self_returning("requires_grad_", requires_grad)
-
-    def cpu(self) -> "LazyComponent":
-        """``module.cpu()``; returns the proxy."""
-        return self._lazy_self_returning("cpu")
-
-    def cuda(self, device: Any = None) -> "LazyComponent":
-        """``module.cuda(device)``; returns the proxy."""
-        return self._lazy_self_returning("cuda", device)
 
 
 class LazyPipeline:
@@ -336,7 +72,7 @@ class LazyPipeline:
         return torch.device(self.decision.device or "cpu")
 
     def _load(self, proxy: LazyComponent) -> nn.Module:
-        import dlo_runtime
+        from dlo_runtime.pretrained import from_pretrained
 
         name = proxy._lazy_name
         rep = self.reports[name]
@@ -347,8 +83,8 @@ class LazyPipeline:
         if self.host_plan is not None:
             kwargs["host_plan"] = self.host_plan
         device = self.decision.device if self.decision.offload else None
-        loaded = dlo_runtime.from_pretrained(self.pipe_dir, subfolder=name, mode=self.mode, dtype=self.dtype,
-                                             device=device, socket=self.socket, progress=False, **kwargs)
+        loaded = from_pretrained(self.pipe_dir, subfolder=name, mode=self.mode, dtype=self.dtype,
+                                 device=device, socket=self.socket, progress=False, **kwargs)
         try:
             real = loaded.model
             if self.decision.device is not None and not self.decision.offload:
@@ -693,4 +429,4 @@ def lazy_pipeline(
     return lazy
 
 
-__all__ = ["CHECKED_PIPELINES", "CheckedPipeline", "ComponentReport", "LazyComponent", "LazyPipeline", "lazy_pipeline"]
+__all__ = ["LazyPipeline", "lazy_pipeline"]
