@@ -2,10 +2,10 @@
 process misbehaves, measured in ONE run against the same calls without it.
 
 Each case starts ``hwr serve`` on its own temp root (tests/daemon.py) and
-sends the requests of tests/test_hostile_streams.py and
-tests/test_hostile_publications.py (their builders are imported, not copied):
+sends the requests of tests/server/test_hostile_streams.py and
+tests/server/test_hostile_publications.py (their builders are imported, not copied):
 
-- ``streams``: one process (tests.test_hostile_streams.HOSTILE) holds 64
+- ``streams``: one process (tests.support.streams.HOSTILE) holds 64
   silent Session streams and 64 plan-only Publish streams on an anonymous
   channel. Reported: how many the daemon refused, and another client's
   GetStats / Lookup latency (ms) and a new worker's first lease (a separate
@@ -56,9 +56,9 @@ from hwr_client.core.plan import to_proto  # noqa: E402
 from hwr_client.tensors import build_plan  # noqa: E402
 from hwr_server.config import ServerConfig  # noqa: E402
 from tests.conftest import identity, sample_tensors  # noqa: E402
-from tests.daemon import cleanup, make_daemon  # noqa: E402
-from tests.test_hostile_publications import COMMIT, _held_stream, daemon_rss_mib, raw_publish, toml  # noqa: E402
-from tests.test_hostile_streams import CALL_BOUND_S, HOSTILE, readline, wait_for  # noqa: E402
+from tests.support.daemon import cleanup, make_daemon  # noqa: E402
+from tests.support.raw_publish import COMMIT, daemon_rss_mib, held_stream, raw_publish, toml  # noqa: E402
+from tests.support.streams import CALL_BOUND_S, HOSTILE, readline, wait_for  # noqa: E402
 
 #: A new worker: interpreter start, torch and hwr_client imports, connect, lease, map.
 FIRST_LEASE = ("import sys, torch, hwr_client\n"
@@ -193,7 +193,7 @@ def case_huge_plan(directory: str, sizes: list[int], limit: int | None) -> dict[
         release = threading.Event()
         rss0 = daemon_rss_mib(d)
         with d.client() as client:
-            call = _held_stream(client, [pb.PublishRequest(plan=msg)], release, timeout=120)
+            call = held_stream(client, [pb.PublishRequest(plan=msg)], release, timeout=120)
             t0 = time.perf_counter()
             try:
                 accepted = next(call).WhichOneof("kind") == "accepted"
@@ -225,7 +225,7 @@ def case_idle(directory: str, idle_s: float) -> dict[str, Any]:
             for i in range(slots):
                 plan = build_plan(identity(bench=f"hog-{i}"), {"w": torch.zeros(4)})
                 # The call's own deadline is far past the idle one: the daemon must end them.
-                calls.append(_held_stream(client, [pb.PublishRequest(plan=to_proto(plan))], release,
+                calls.append(held_stream(client, [pb.PublishRequest(plan=to_proto(plan))], release,
                                           timeout=idle_s * 4 * slots + 60))
             t0 = time.perf_counter()
             report = client.publish(identity(bench="idle-legit"), {"w": torch.full((4,), 2.0)})

@@ -5,7 +5,7 @@ warm from HWR, side by side in one run, each in its own worker process.
 The pipeline is the real ``diffusers.FluxPipeline`` with real component
 classes (CLIP and T5 text encoders, ``FluxTransformer2DModel``,
 ``AutoencoderKL``), random weights saved with ``save_pretrained`` (the
-builder the tests use, ``tests/test_real_models_common.save_flux_pipeline``,
+builder the tests use, ``tests.support.real_models.save_flux_pipeline``,
 with FLUX-like shapes: head dim 128, T5 d_model 4096 = joint attention dim),
 tiny text and a 16x16 image, so nearly all the memory is weights. Cases:
 
@@ -100,7 +100,7 @@ def worker(args: argparse.Namespace) -> int:
     from diffusers import FluxPipeline
 
     import dlo_runtime
-    from tests.test_real_models_common import run_flux_pipeline
+    from tests.support.real_models import run_flux_pipeline
 
     sampler = Sampler()
     sampler.start()
@@ -150,7 +150,7 @@ def worker(args: argparse.Namespace) -> int:
 def build(workdir: str, scale: str, dtype: str | None) -> str:
     import torch
 
-    from tests.test_real_models_common import save_flux_pipeline
+    from tests.support.real_models import save_flux_pipeline
 
     t5, tr, default = SCALES[scale]
     dtype = dtype or default

@@ -44,7 +44,7 @@ from hwr_client.core.plan import check_plan  # noqa: E402
 from hwr_client.tensors import build_plan, iter_payload
 from hwr_client.core.defaults import parse_size  # noqa: E402
 from bench.common import add_artifact_args, bench_dir, result_command, save_result  # noqa: E402
-from tests.daemon import cleanup, make_daemon  # noqa: E402
+from tests.support.daemon import cleanup, make_daemon  # noqa: E402
 
 MB = 1e6
 

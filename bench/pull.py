@@ -50,8 +50,8 @@ from publish import identity, make_tensors  # noqa: E402  (bench/publish.py)
 from hwr_client.core._proto import hwr_pb2 as pb  # noqa: E402
 from hwr_client.core.defaults import parse_size  # noqa: E402
 from bench.common import add_artifact_args, bench_dir, result_command, save_result  # noqa: E402
-from tests.daemon import cleanup, make_daemon  # noqa: E402
-from tests.oci_registry import make_registry, remote_config  # noqa: E402
+from tests.support.daemon import cleanup, make_daemon  # noqa: E402
+from tests.support.oci_registry import make_registry, remote_config  # noqa: E402
 
 MB = 1e6
 PARALLEL = 4  # RemoteConfig.parallel_layers' default

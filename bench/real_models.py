@@ -68,7 +68,7 @@ SHAPES = {
     "1GiB": dict(patch_size=1, in_channels=64, num_layers=3, num_single_layers=7, attention_head_dim=128,
                  num_attention_heads=12, joint_attention_dim=4096, pooled_projection_dim=768,
                  axes_dims_rope=[16, 56, 56]),
-    # What the test runs (tests/test_real_models_bench.py): the script end to end.
+    # What the test runs (tests/e2e/test_real_models_bench.py): the script end to end.
     "quick": dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=32,
                   num_attention_heads=2, joint_attention_dim=128, pooled_projection_dim=64,
                   axes_dims_rope=[8, 12, 12]),

@@ -1,7 +1,7 @@
 """Regenerate the Python gRPC stubs from ``proto/hwr/v1/hwr.proto``.
 
 Run ``python -m hwr_client.protogen`` from the repository root after editing
-the proto; ``tests/test_proto.py`` fails while the committed stubs are stale.
+the proto; ``tests/client/test_proto.py`` fails while the committed stubs are stale.
 The generated grpc module imports ``hwr_pb2`` as a top-level module; we
 rewrite that one line into a package-relative import so the stubs live inside
 ``hwr_client.core._proto`` without touching ``sys.path``.

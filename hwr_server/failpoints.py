@@ -8,7 +8,7 @@ power cut or an OOM kill would stop it: no ``finally``, no atexit, no flush.
 
 Only ``hwr serve``'s entry (:mod:`hwr_server.cli`) arms a failpoint, from
 ``HWR_FAILPOINT``; library code never reads the environment. The crash
-matrix (tests/test_crash_matrix.py) runs the real daemon once per name in
+matrix (tests/server/test_crash_matrix.py) runs the real daemon once per name in
 :data:`POINTS`, so a failpoint added here is covered without a new test.
 
 ``python -m hwr_server.failpoints`` prints every name, one per line.

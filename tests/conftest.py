@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.daemon import Daemon, cleanup, make_daemon
+from tests.support.daemon import Daemon, cleanup, make_daemon
 
 SAMPLE_IDENTITY = {
     "contract": {"name": "tiny-dit", "version": 1},

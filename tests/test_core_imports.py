@@ -8,8 +8,9 @@ import ast
 import pathlib
 import subprocess
 import sys
+from tests.support.paths import REPO_DIR
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(REPO_DIR)
 
 
 def _modules_after(code: str) -> set[str]:

@@ -4,7 +4,7 @@
 #   bash bench/gpu/run.sh [OUT_DIR] [--wheelhouse DIR] [--dry-run]
 #
 # Runs every CUDA test (pytest -m cuda, which includes host registration
-# through a real daemon's admission: tests/test_registration_wiring.py),
+# through a real daemon's admission: tests/runtime/test_registration_wiring.py),
 # bench/dlo_gpu.py (--quick sizes plus one 4 GiB disk-file registration, cold
 # and pre-faulted) and the CUDA rows of bench/startup.py; JSON and logs go to
 # OUT_DIR (default bench/results/gpu-<timestamp>), a summary table to stdout;
@@ -58,10 +58,10 @@ fi
 "$PY" bench/gpu/runner.py "$OUT" --python "$PY" --dry-run
 # Name the CUDA tests of the registration-admission path (daemon budget ->
 # chunked cudaHostRegister -> release), so a plan without them shows.
-ADMISSION=$("$PY" -m pytest -q -p no:cacheprovider --collect-only -m cuda tests/test_registration_wiring.py \
+ADMISSION=$("$PY" -m pytest -q -p no:cacheprovider --collect-only -m cuda tests/runtime/test_registration_wiring.py \
   | grep '::' || true)
 if [ -z "$ADMISSION" ]; then
-  echo "run.sh: no cuda test of the registration-admission path collected (tests/test_registration_wiring.py)" >&2
+  echo "run.sh: no cuda test of the registration-admission path collected (tests/runtime/test_registration_wiring.py)" >&2
   exit 1
 fi
 echo "registration admission path (in pytest_cuda):"

@@ -1,6 +1,6 @@
 """The steps of ``bench/gpu/run.sh``: plan, run with per-step time limits,
 summarise. ``run.sh`` picks the interpreter; this file does the rest so the
-plan and the summary are testable on CPU (tests/test_gpu_runner.py).
+plan and the summary are testable on CPU (tests/e2e/test_gpu_runner.py).
 
     python bench/gpu/runner.py OUT_DIR [--dry-run]
 

@@ -219,7 +219,7 @@ class Collector:
           nothing pins it after the commit either, until the caller's own
           lease, and only a lease keeps an artifact.
 
-        tests/test_gc_collector.py runs the last two against the real Store.
+        tests/server/test_gc_collector.py runs the last two against the real Store.
         """
         return set(self.leases.pinned_keys())
 
