@@ -70,7 +70,7 @@ def test_directory_without_config_or_weights(tmp_path, good):
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
     shutil.copy(os.path.join(good["bert"], "config.json"), no_weights)
-    with pytest.raises(InvalidArgument, match=r"no weights; expected model\.safetensors"):
+    with pytest.raises(NotFound, match=r"no weights; expected model\.safetensors or "):
         dlo_runtime.from_pretrained(str(no_weights))
     with pytest.raises(NotFound, match="no such directory"):
         dlo_runtime.from_pretrained(str(tmp_path / "nowhere"))
