@@ -66,7 +66,7 @@ from hwr_client.resolve import Mode, Outcome, parse_mode
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
 from dlo_runtime.pretrained.eligibility import (daemon_absent, direct_map_refusal, no_block_reason,
-                                                 no_daemon_message, warn_fallback)
+                                                 no_daemon_message, unused_keys_note, warn_fallback)
 from dlo_runtime.pretrained.files import ModelFiles, import_library, model_files, resolve_class
 from dlo_runtime.pretrained.hostplan import HOST_PLANS, CheckpointMapping, HostWeightPlan, describe, preflight
 from dlo_runtime.pretrained.skeleton import (check_loaded, dtype_of, find_blocks, nparams, parameters_on_meta,
@@ -288,6 +288,7 @@ def from_pretrained(
     seconds: dict[str, float] = {}
     refused: HostWeightPlan | None = None
     contract: PretrainedContract | None = None
+    notes: list[str] = []
     if host_plan != "ordinary" and (mode is not Mode.DISABLED or host_plan in ("checkpoint-mmap", "auto")):
         # Eligibility before any daemon call: headers and the meta skeleton only.
         contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
@@ -302,6 +303,7 @@ def from_pretrained(
             note = warn_fallback(contract.name, "; ".join(reasons))
             return _fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0, Outcome.DISABLED, note)
         contract.check_keys()  # a shape mismatch: the library refuses it too, in every mode
+        notes += unused_keys_note(contract.name, contract.keys)
         seconds["keys"] = round(time.perf_counter() - t0 - seconds["skeleton"], 6)
     if host_plan == "checkpoint-mmap" or (host_plan == "auto" and mode is not Mode.REQUIRED):
         assert contract is not None
@@ -368,6 +370,7 @@ def from_pretrained(
     report = PretrainedReport(result.outcome.value, identity.key, contract.name, contract.library_version,
                               trail=[_step(s.what, s.note) for s in result.trail])
     report.host_plan_reason = describe(refused, "hwr")
+    report.notes += notes
     report.producer_calls = contract.counters.producer_calls
     report.checkpoint_bytes_read = contract.counters.checkpoint_bytes_read
     report.bytes_materialized = contract.counters.bytes_materialized

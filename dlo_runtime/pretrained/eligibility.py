@@ -83,6 +83,17 @@ def direct_map_refusal(files: ModelFiles, keys: KeyPlan) -> str:
     return ""
 
 
+def unused_keys_note(what: str, keys: KeyPlan) -> list[str]:
+    """The note (and the WARNING the library logs too) for checkpoint keys
+    that fill nothing and that no ignore rule of the library covers."""
+    if not keys.unused:
+        return []
+    note = (f"{len(keys.unused)} checkpoint key(s) fill no tensor of {what} and were not loaded, as the library "
+            f"does not load them: {list(keys.unused[:5])}")
+    log.warning("from_pretrained %s: %s", what, note)
+    return [note]
+
+
 def fallback_note(reason: str) -> str:
     """The report note of an ineligible start."""
     return f"not eligible for HWR: {reason}; loaded with the library's own from_pretrained"
