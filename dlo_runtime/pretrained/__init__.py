@@ -37,8 +37,20 @@ What the contract decides, and why:
   registration order (the parity tests prove it is the execution order for
   the shipped families).
 
+- **loading semantics**: the library's own, so a warm start equals the
+  library's ``from_pretrained``: the weight files ``variant=`` and
+  ``use_safetensors=`` pick (``.bin`` included), and one key plan
+  (renames, ``base_model_prefix``, ignore lists, tied names) that the
+  identity, the canonical load and hence publication all read. What HWR
+  cannot represent loads with the library in preferred mode, decided
+  before any daemon call.
+
 Modules: :mod:`~dlo_runtime.pretrained.files` (what a directory holds, the
-class it names), :mod:`~dlo_runtime.pretrained.skeleton` (meta parameters,
+class it names, the weight files), :mod:`~dlo_runtime.pretrained.weights`
+(safetensors and ``.bin`` behind one reader),
+:mod:`~dlo_runtime.pretrained.keys` (the key plan),
+:mod:`~dlo_runtime.pretrained.eligibility` (what falls back, and how the
+report says so), :mod:`~dlo_runtime.pretrained.skeleton` (meta parameters,
 real buffers, blocks), :mod:`~dlo_runtime.pretrained.contract` (the
 contract); this one holds the call.
 

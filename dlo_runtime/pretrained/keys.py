@@ -56,8 +56,7 @@ import torch
 from torch import nn
 
 from dlo_runtime.pretrained.files import ModelFiles
-from dlo_runtime.pretrained.weights import WeightEntry, open_weights, short
-from dlo_runtime.restore import tensor_slots
+from dlo_runtime.pretrained.weights import WeightEntry, WeightReader, open_weights, peek_entries, short
 
 #: How many names a reason lists.
 _SHOW = 5
@@ -107,7 +106,7 @@ class KeyRules(Protocol):
 
 
 class _TransformersRules:
-    def __init__(self, model: Any):  # a transformers PreTrainedModel
+    def __init__(self, model: Any, state: Mapping[str, torch.Tensor]):  # a transformers PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -116,7 +115,7 @@ class _TransformersRules:
         self._converters = [m for m in mapping if isinstance(m, WeightConverter)]
         self._rename_source_key = rename_source_key
         self._model = model
-        self._meta = model.state_dict()
+        self._meta = state
         self._prefix = model.base_model_prefix
 
     def rename(self, key: str) -> tuple[str, str | None]:
@@ -152,10 +151,11 @@ class _DiffusersRules:
         return {n for n in names if any(re.search(p, n) for p in self._patterns)}
 
 
-def rules_for(model: nn.Module, files: ModelFiles, keys: list[str]) -> KeyRules:
-    """The library's rules for ``model`` loading ``files``."""
+def rules_for(model: nn.Module, files: ModelFiles, keys: list[str], state: Mapping[str, torch.Tensor]) -> KeyRules:
+    """The library's rules for ``model`` loading ``files`` (``state``: its
+    persistent names, what the library calls the meta state dict)."""
     if files.library == "transformers":
-        return _TransformersRules(model)
+        return _TransformersRules(model, state)
     return _DiffusersRules(model, keys, sharded=files.sharded)
 
 
@@ -167,15 +167,48 @@ def plan_keys(model: nn.Module, files: ModelFiles, what: str) -> KeyPlan:
     Args:
         what: the contract's name, for messages.
     """
-    with open_weights(files.weights, files.format, mmap=True) as reader:
-        entries = dict(reader.entries)
-        rules = rules_for(model, files, sorted(entries))
-        return _plan(model, files, entries, rules, what, reader.take)
+    entries = peek_entries(files.weights, files.format)
+    state, slots = persistent_tensors(model)
+    rules = rules_for(model, files, sorted(entries), state)
+    readers: list[WeightReader] = []
+
+    def read(key: str) -> torch.Tensor:
+        if not readers:
+            readers.append(open_weights(files.weights, files.format, mmap=True))
+        return readers[0].take(key)
+
+    try:
+        return _plan(state, slots, files, entries, rules, what, read)
+    finally:
+        for r in readers:
+            r.close()
 
 
-def _plan(model: nn.Module, files: ModelFiles, entries: Mapping[str, WeightEntry], rules: KeyRules, what: str,
+def persistent_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[tuple[str, torch.Tensor]]]:
+    """Every persistent name -> tensor (``state_dict``'s names, tied aliases
+    included) and each distinct tensor under its first name, in one walk in
+    ``state_dict`` / :func:`~dlo_runtime.restore.tensor_slots` order (the
+    warm path runs it: one walk instead of both)."""
+    state: dict[str, torch.Tensor] = {}
+    slots: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for owner_name, owner in model.named_modules(remove_duplicate=False):
+        prefix = owner_name + "." if owner_name else ""
+        skip = owner._non_persistent_buffers_set
+        for table, persistent_only in ((owner._parameters, False), (owner._buffers, True)):
+            for attr, t in table.items():
+                if t is None or (persistent_only and attr in skip):
+                    continue
+                state[prefix + attr] = t
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    slots.append((prefix + attr, t))
+    return state, slots
+
+
+def _plan(state: Mapping[str, torch.Tensor], slots: list[tuple[str, torch.Tensor]], files: ModelFiles,
+          entries: Mapping[str, WeightEntry], rules: KeyRules, what: str,
           read: Callable[[str], torch.Tensor]) -> KeyPlan:
-    state = model.state_dict(keep_vars=True)  # every persistent name, tied aliases included
     target: dict[str, str] = {}
     converted: dict[str, list[str]] = collections.defaultdict(list)  # converter pattern -> checkpoint keys
     leftover: set[str] = set()
@@ -205,28 +238,28 @@ def _plan(model: nn.Module, files: ModelFiles, entries: Mapping[str, WeightEntry
     sources: dict[str, str] = {}
     missing: list[str] = []
     errors: list[str] = []
-    for s in tensor_slots(model).slots:
-        names = names_of.get(id(s.tensor), [s.name])
+    for slot, tensor in slots:
+        names = names_of.get(id(tensor), [slot])
         present = [n for n in names if n in target]
         if not present and any(n in by_converter for n in names):
             continue
         if not present:
-            missing.append(f"{s.name!r} {list(s.tensor.shape)}")
+            missing.append(f"{slot!r} {list(tensor.shape)}")
             continue
-        key = target[s.name] if s.name in present else target[present[0]]
+        key = target[slot] if slot in present else target[present[0]]
         e = entries[key]
-        if e.shape != tuple(s.tensor.shape):
+        if e.shape != tuple(tensor.shape):
             errors.append(f"{short(files.weights[e.file])}: {key!r} has shape {list(e.shape)}, {what} expects "
-                          f"{list(s.tensor.shape)}")
-        elif len(present) > 1 and not _tied_equal([target[n] for n in present], read, s.tensor.dtype):
+                          f"{list(tensor.shape)}")
+        elif len(present) > 1 and not _tied_equal([target[n] for n in present], read, tensor.dtype):
             ineligible.append(f"{present} are tied in {what} but the checkpoint holds different values "
                               "(the library unties them)")
-        sources[s.name] = key
+        sources[slot] = key
     if missing:
         ineligible.insert(0, f"the checkpoint lacks {len(missing)} tensor(s) of {what} that the library would "
                              f"initialize freshly (e.g. {', '.join(missing[:_SHOW])}); HWR publishes only tensors "
                              "the checkpoint determines")
-    quiet = rules.silently_ignored(leftover)
+    quiet = rules.silently_ignored(leftover) if leftover else set()
     renamed = tuple(sorted((k, n) for n, k in target.items() if k != n))
     return KeyPlan(sources, renamed, tuple(sorted(quiet)), tuple(sorted(leftover - quiet)), tuple(ineligible),
                    tuple(errors))

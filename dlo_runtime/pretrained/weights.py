@@ -18,7 +18,9 @@ The file bytes are the identity's sources either way
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import struct
 import zipfile
 from typing import Any, Protocol, Sequence
 
@@ -159,6 +161,54 @@ def open_weights(paths: Sequence[str], fmt: str, *, mmap: bool = True) -> Weight
     if fmt == "bin":
         return _Pickles(paths, mmap=mmap)
     raise InvalidArgument(f"weight format {fmt!r}: expected 'safetensors' or 'bin'")
+
+
+#: Largest safetensors header :func:`peek_entries` reads (the format's own cap).
+_MAX_HEADER = 100 << 20
+
+
+def peek_entries(paths: Sequence[str], fmt: str) -> dict[str, WeightEntry]:
+    """Names, shapes and dtypes of every tensor, for the key plan: a
+    safetensors file's JSON header only (its 8-byte length and the JSON,
+    no payload byte and no mapping; the strict parse, offsets included,
+    comes with the canonical load), a ``.bin`` file's pickle (mapped).
+
+    Raises:
+        InvalidArgument: a header that is not a safetensors header;
+        FailedPrecondition: a tensor in two files.
+    """
+    if fmt != "safetensors":
+        with open_weights(paths, fmt) as reader:
+            return dict(reader.entries)
+    out: dict[str, WeightEntry] = {}
+    for i, path in enumerate(paths):
+        for name, e in _header(path).items():
+            if name == "__metadata__":
+                continue
+            if name in out:
+                raise FailedPrecondition(f"checkpoint: tensor {name!r} is in both {paths[out[name].file]} and "
+                                         f"{path}; expected one")
+            try:
+                out[name] = WeightEntry(i, tuple(int(d) for d in e["shape"]), TORCH_DTYPES[e["dtype"]])
+            except (KeyError, TypeError, ValueError):
+                raise InvalidArgument(f"{path}: tensor {name!r} has a malformed header entry {e!r}; expected "
+                                      "a known dtype and an integer shape") from None
+    return out
+
+
+def _header(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < size <= _MAX_HEADER:
+            raise InvalidArgument(f"{path}: not a safetensors file (header length {size})")
+        try:
+            doc = json.loads(f.read(size))
+        except ValueError as exc:
+            raise InvalidArgument(f"{path}: not a safetensors file (header: {exc})") from None
+    if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
+        raise InvalidArgument(f"{path}: not a safetensors file (the header is not an object of tensor entries)")
+    return doc
 
 
 def short(path: str) -> str:
