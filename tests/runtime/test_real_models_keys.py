@@ -6,6 +6,7 @@ cold publishes, warm restores from the lease, and both equal the library's own
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -123,3 +124,21 @@ def test_t5_fp16_keeps_wo_in_fp32_as_transformers_does(hwrd, tmp_path):
     reference = T5EncoderModel.from_pretrained(directory, dtype=torch.float16).eval()
     assert reference.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.float32
     assert out.dtype == torch.float16 and torch.equal(out, output(reference, case, torch.float16))
+
+
+@pytest.mark.parametrize("name,why", [("bin", "checkpoint-mmap maps safetensors"),
+                                      ("legacy-gamma-beta", "key(s) are renamed on load")])
+def test_checkpoint_mmap_is_not_offered_what_it_cannot_map(name, why, hwrd, tmp_path):
+    """A .bin file or renamed keys are no byte ranges under their own names:
+    the direct plan is refused before preflight reads a header; ``auto``
+    goes through HWR and says why."""
+    from hwr_client.core.errors import FailedPrecondition
+
+    case = CASES[name](str(tmp_path / name))
+    with pytest.raises(FailedPrecondition, match=re.escape(why)):
+        dlo_runtime.from_pretrained(case.directory, socket=hwrd.socket, host_plan="checkpoint-mmap")
+    with dlo_runtime.from_pretrained(case.directory, socket=hwrd.socket, host_plan="auto", progress=False) as auto:
+        assert auto.outcome in ("CANONICAL_FALLBACK", "LOCAL_HIT") and auto.report.host_plan == "hwr"
+        assert why in auto.report.host_plan_reason
+        out = output(auto.model, case)
+    assert torch.equal(out, output(library_model(case), case))
