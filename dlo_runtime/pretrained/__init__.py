@@ -77,8 +77,8 @@ from hwr_client.resolve import Mode, Outcome, parse_mode
 
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
-from dlo_runtime.pretrained.eligibility import (daemon_absent, direct_map_refusal, no_block_reason,
-                                                 no_daemon_message, unused_keys_note, warn_fallback)
+from dlo_runtime.pretrained.eligibility import (daemon_absent, decide, direct_map_refusal, no_daemon_message,
+                                                 unused_keys_note, warn_fallback)
 from dlo_runtime.pretrained.files import ModelFiles, import_library, model_files, resolve_class
 from dlo_runtime.pretrained.hostplan import HOST_PLANS, CheckpointMapping, HostWeightPlan, describe, preflight
 from dlo_runtime.pretrained.skeleton import (check_loaded, dtype_of, find_blocks, nparams, parameters_on_meta,
@@ -305,16 +305,10 @@ def from_pretrained(
         # Eligibility before any daemon call: headers and the meta skeleton only.
         contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
         seconds["skeleton"] = round(time.perf_counter() - t0, 6)
-        reasons = contract.ineligible()
-        if not reasons and mode is not Mode.DISABLED and host_plan != "checkpoint-mmap":
-            reasons = no_block_reason(contract.name, contract.block_count())
-        if reasons and (mode is Mode.REQUIRED or host_plan == "checkpoint-mmap"):
-            raise FailedPrecondition(f"{files.directory}: {contract.name} cannot load through HWR "
-                                     f"(mode={mode.value}, host_plan={host_plan}): " + "; ".join(reasons))
-        if reasons:
-            note = warn_fallback(contract.name, "; ".join(reasons))
+        reason = decide(contract, mode=mode, host_plan=host_plan)
+        if reason:
+            note = warn_fallback(contract.name, reason)
             return _fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0, Outcome.DISABLED, note)
-        contract.check_keys()  # a shape mismatch: the library refuses it too, in every mode
         notes += unused_keys_note(contract.name, contract.keys)
         seconds["keys"] = round(time.perf_counter() - t0 - seconds["skeleton"], 6)
     if host_plan == "checkpoint-mmap" or (host_plan == "auto" and mode is not Mode.REQUIRED):

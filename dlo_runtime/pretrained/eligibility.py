@@ -36,7 +36,10 @@ from __future__ import annotations
 import logging
 import os
 import socket as pysocket
-from typing import Any
+from typing import Any, Protocol
+
+from hwr_client.core.errors import FailedPrecondition
+from hwr_client.resolve import Mode
 
 from dlo_runtime.pretrained.files import ModelFiles, import_library
 from dlo_runtime.pretrained.keys import KeyPlan
@@ -45,6 +48,40 @@ log = logging.getLogger(__name__)
 
 #: Bound on the daemon probe's connect (a listening socket answers at once).
 _PROBE_TIMEOUT_S = 1.0
+
+
+class Candidate(Protocol):
+    """What the decision needs of a contract
+    (:class:`~dlo_runtime.pretrained.contract.PretrainedContract`)."""
+
+    name: str
+    files: ModelFiles
+
+    def ineligible(self) -> list[str]: ...
+
+    def block_count(self) -> int: ...
+
+    def check_keys(self) -> None: ...
+
+
+def decide(contract: Candidate, *, mode: Mode, host_plan: str) -> str:
+    """The reason ``contract`` cannot go through HWR ("": it can), before
+    any daemon call.
+
+    Raises:
+        FailedPrecondition: not eligible in required mode or with
+            ``host_plan="checkpoint-mmap"`` (naming why), or a shape
+            mismatch in any mode (the library refuses it too).
+    """
+    reasons = contract.ineligible()
+    if not reasons and mode is not Mode.DISABLED and host_plan != "checkpoint-mmap":
+        reasons = no_block_reason(contract.name, contract.block_count())
+    if reasons and (mode is Mode.REQUIRED or host_plan == "checkpoint-mmap"):
+        raise FailedPrecondition(f"{contract.files.directory}: {contract.name} cannot load through HWR "
+                                 f"(mode={mode.value}, host_plan={host_plan}): " + "; ".join(reasons))
+    if not reasons:
+        contract.check_keys()
+    return "; ".join(reasons)
 
 
 def class_reasons(files: ModelFiles, cls: Any) -> list[str]:
