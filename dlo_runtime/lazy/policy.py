@@ -180,7 +180,7 @@ def _refusal(cls: type, index: Mapping[str, Any], comp: str, passed: Collection[
     if comp in passed:
         return "passed by the caller (pipeline_kwargs): a component is either passed or deferred"
     entry = index[comp]
-    if not isinstance(entry, (list, tuple)) or entry[0] is None:
+    if not isinstance(entry, (list, tuple)) or not entry or entry[0] is None:
         return f"absent from the folder (model_index.json has {entry!r})"
     if comp in excluded:
         return f"excluded from offload by {cls.__name__}._exclude_from_cpu_offload (diffusers keeps it on the device)"

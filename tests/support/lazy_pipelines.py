@@ -25,9 +25,15 @@ def _clip_with_projection(vocab: int) -> Any:
         num_hidden_layers=2, vocab_size=vocab, projection_dim=32, max_position_embeddings=16))
 
 
-def save_sd3_pipeline(directory: str, *, seed: int = 0, clip_dtype: torch.dtype | None = None) -> str:
+def save_sd3_pipeline(directory: str, *, seed: int = 0, clip_dtype: torch.dtype | None = None,
+                      t5: dict[str, Any] | None = None, transformer: dict[str, Any] | None = None,
+                      save_dtype: torch.dtype | None = None, shard: str = SHARD) -> str:
     """A tiny StableDiffusion3Pipeline; its transformer in several shards.
-    ``clip_dtype``: the two CLIP encoders saved in it (default fp32)."""
+
+    ``clip_dtype``: the two CLIP encoders saved in it (default fp32);
+    ``t5`` / ``transformer``: config overrides (``bench/pipelines.py``
+    builds an SD3-shaped one); ``save_dtype``: T5 and the transformer built
+    and saved in it (default fp32)."""
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
     from transformers import T5Config, T5EncoderModel
@@ -37,9 +43,20 @@ def save_sd3_pipeline(directory: str, *, seed: int = 0, clip_dtype: torch.dtype 
     clip_tok, t5_tok = _clip_tokenizer(os.path.join(scratch, "clip")), _t5_tokenizer(os.path.join(scratch, "t5"))
     # pooled_projection_dim: both CLIP projections side by side (2 x 32);
     # joint_attention_dim: T5's width (the CLIP states are cut to it).
-    transformer = SD3Transformer2DModel(sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8,
-                                        num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
-                                        pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16)
+    t5_cfg: dict[str, Any] = {"vocab_size": len(t5_tok), "d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2,
+                              "num_heads": 4, **(t5 or {})}
+    tr_cfg: dict[str, Any] = {"sample_size": 8, "patch_size": 1, "in_channels": 4, "num_layers": 2,
+                              "attention_head_dim": 8, "num_attention_heads": 4, "caption_projection_dim": 32,
+                              "joint_attention_dim": t5_cfg["d_model"], "pooled_projection_dim": 64,
+                              "out_channels": 4, "pos_embed_max_size": 16, **(transformer or {})}
+    old = torch.get_default_dtype()
+    if save_dtype is not None:
+        torch.set_default_dtype(save_dtype)  # built in the saved dtype: no fp32 copy of a big component
+    try:
+        t5_model = T5EncoderModel(T5Config(**t5_cfg))
+        sd3 = SD3Transformer2DModel(**tr_cfg)
+    finally:
+        torch.set_default_dtype(old)
     vae = AutoencoderKL(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
                         latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
                         shift_factor=0.0609, scaling_factor=1.5035)
@@ -47,11 +64,10 @@ def save_sd3_pipeline(directory: str, *, seed: int = 0, clip_dtype: torch.dtype 
     if clip_dtype is not None:
         clips = [c.to(clip_dtype) for c in clips]
     pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae,
+        transformer=sd3, scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae,
         text_encoder=clips[0], tokenizer=clip_tok, text_encoder_2=clips[1], tokenizer_2=clip_tok,
-        text_encoder_3=T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=37, num_layers=2,
-                                               num_heads=4)), tokenizer_3=t5_tok)
-    pipe.save_pretrained(directory, max_shard_size=SHARD)
+        text_encoder_3=t5_model, tokenizer_3=t5_tok)
+    pipe.save_pretrained(directory, max_shard_size=shard)
     return directory
 
 
