@@ -1,16 +1,15 @@
-"""The lazy pipeline: :func:`lazy_pipeline` builds the library's own
-pipeline with :class:`~dlo_runtime.lazy.proxy.LazyComponent` proxies in
-place of the deferred components, and :class:`LazyPipeline` loads, counts
-and releases them at the call boundary (policy: the :mod:`dlo_runtime.lazy`
-doc)."""
+"""The lazy pipeline at run time: :class:`LazyPipeline` loads, counts,
+checks and releases the :class:`~dlo_runtime.lazy.proxy.LazyComponent`
+proxies that :func:`dlo_runtime.lazy.build.lazy_pipeline` put in place of
+the deferred components, at the call boundary (policy: the
+:mod:`dlo_runtime.lazy` doc)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -18,7 +17,7 @@ from torch import nn
 from dlo_runtime.lazy.policy import CheckedPipeline, ComponentReport
 from dlo_runtime.lazy.proxy import LazyComponent
 from dlo_runtime.lazy.state import changes, fingerprint
-from dlo_runtime.placement import OffloadDecision, host_offload
+from dlo_runtime.placement import OffloadDecision
 from hwr_client.core.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
