@@ -19,7 +19,7 @@ Importing this package imports neither vLLM-Omni nor the store; the
 submodules import ``vllm_omni.host_weight_runtime``.
 """
 
-from dlo_runtime.integrations.vllm_omni.install import (
+from dlo_runtime.integrations.vllm_omni.installer import (
     ENV_SWITCH,
     SUPPORTED_VERSIONS,
     check_version,

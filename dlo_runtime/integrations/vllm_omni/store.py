@@ -2,7 +2,7 @@
 
 :class:`HwrHostWeightStore` has the constructor of vLLM-Omni's filesystem
 store (``domain, capacity, integrity, *, wait``), so its runtime builds it
-where it built that one (:mod:`dlo_runtime.integrations.vllm_omni.install`).
+where it built that one (:mod:`dlo_runtime.integrations.vllm_omni.installer`).
 What it does with each input:
 
 * ``domain.root``: the store's scratch directory lives under it
