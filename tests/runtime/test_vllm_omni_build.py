@@ -330,3 +330,30 @@ def test_capacity_and_unordered_row_writes(hwrd, tmp_path):
     assert r.status is S.BUILT, r.failure
     assert all(torch.equal(r.lease.tensors[n], t) for n, t in tensors.items())
     r.lease.close()
+
+
+def test_writer_files_open_at_once_abort_and_finish(tmp_path):
+    ident = vo.identity(api, name="writer")
+    p = vo.Producer(api, ident, vo.weights())
+    w = StagingWriter(tmp_path)
+    a = w.open_tensor_file("a.safetensors", (p.write_spec("norm.weight"),))
+    b = w.open_tensor_file("b.safetensors", (p.write_spec("scale"),))
+    a.abort()  # its name and tensors are free again; b stays open
+    c = w.open_tensor_file("a.safetensors", (p.write_spec("norm.weight"),))
+    with pytest.raises(Exception, match="declared in 'b.safetensors'"):
+        w.open_tensor_file("d.safetensors", (p.write_spec("scale"),))
+    metadata = api.ProductionMetadata(producer_schema=ident.producer.manifest_schema,
+                                      restorer_schema=ident.producer.restorer_schema)
+    with pytest.raises(Exception, match="left payload files open"):
+        w.finish(ident, metadata)
+    c.write_tensor("norm.weight", p.tensors["norm.weight"])
+    c.close()
+    b.write_tensor("scale", p.tensors["scale"])
+    b.close()
+    with pytest.raises(Exception, match="schemas"):
+        w.finish(ident, api.ProductionMetadata(producer_schema="other", restorer_schema="x"))
+    staged = w.finish(ident, metadata)
+    assert [f.name for f in staged.files] == ["a.safetensors", "b.safetensors"]
+    views = staged.tensors()
+    assert torch.equal(views["norm.weight"], p.tensors["norm.weight"]) and torch.equal(views["scale"], p.tensors["scale"])
+    assert sorted(os.listdir(tmp_path)) == ["00001.bin", "00002.bin"]  # the aborted 00000.bin is gone

@@ -184,3 +184,32 @@ def test_the_restorer_refuses_views_that_share_one_storage(hwrd, tmp_path):
     # Ours passes the same check.
     FinalLayoutTensorRestorer(context_for(warm, tmp_path)).plan_restore(warm, lease)
     lease.close()
+
+
+def test_vllm_omnis_registration_spans_cover_every_tensor(hwrd, tmp_path):
+    """What vLLM-Omni's CUDA host registration would register for our lease
+    (its own span computation, run here without CUDA): page-aligned spans,
+    one per payload file, inside the page-rounded mapping, holding every
+    tensor. The cudaHostRegister calls themselves are not run (no GPU here)."""
+    registration = vo.load_offloader_module("cuda_host_registration")
+    import mmap
+
+    cold = TinyPipeline()
+    fill(cold, seed=2)
+    context = context_for(cold, tmp_path)
+    rt = runtime(tmp_path / "root")
+    producer = FinalLayoutBF16Producer(context, cold, (("transformer", cold.transformer),), max_shard_bytes=200)
+    assert rt.publish_after_load(context.identity, producer=producer).outcome \
+        is api.PostLoadPublicationOutcome.PUBLISHED
+    lease = rt.resolve(context.identity).lease
+    spans = registration._mapped_regions(lease.mapped_regions)
+    assert len(spans) == len(lease.mapped_regions)
+    page = mmap.PAGESIZE
+    for span in spans:
+        assert span.start % page == 0 and span.end % page == 0
+        assert any(r.address <= span.start and span.end <= r.address + -(-r.length // page) * page
+                   for r in lease.mapped_regions)
+    for name, t in lease.tensors.items():
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        assert sum(s.start <= lo and hi <= s.end for s in spans) == 1, name
+    lease.close()

@@ -14,6 +14,7 @@ guarantees those subpackages stay vLLM-free).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import sys
@@ -41,6 +42,22 @@ def load() -> types.ModuleType:
     import vllm_omni.host_weight_runtime as hwr_api
 
     return hwr_api
+
+
+def load_offloader_module(name: str) -> types.ModuleType:
+    """``vllm_omni.diffusion.offloader.<name>`` from the wheel. The
+    offloader package's ``__init__`` imports vLLM; the registration modules
+    it holds do not, so the package is registered bare, as :func:`load` does
+    for ``vllm_omni``."""
+    load()
+    package = "vllm_omni.diffusion.offloader"
+    if package not in sys.modules and importlib.util.find_spec("vllm") is None:
+        import vllm_omni.diffusion
+
+        stub = types.ModuleType(package)
+        stub.__path__ = [os.path.join(os.path.dirname(vllm_omni.diffusion.__file__), "offloader")]
+        sys.modules[package] = stub
+    return importlib.import_module(f"{package}.{name}")
 
 
 def identity(api: Any, *, name: str = "t", dtype: str = "torch.bfloat16", tp: tuple[int, int] = (0, 1),

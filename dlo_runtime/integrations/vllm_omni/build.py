@@ -31,6 +31,7 @@ The sequence (numbered in :func:`get_or_build`):
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
@@ -187,7 +188,7 @@ def _produce(store: BuildStore, identity: WeightArtifactIdentity, producer: Weig
     except HostWeightError as exc:  # the producer's own typed failure, passed through
         return StoreResult(StoreStatus.FAILED, failure=exc.failure)
     except OSError as exc:
-        enospc = exc.errno in (28, 122)  # ENOSPC, EDQUOT: the scratch disk is full
+        enospc = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # the scratch disk is full
         return failed(ResolutionStage.CAPACITY if enospc else ResolutionStage.PRODUCTION,
                       FailureCode.ENOSPC if enospc else FailureCode.PRODUCER_FAILED,
                       f"artifact production failed: {exc}", retryable=enospc)

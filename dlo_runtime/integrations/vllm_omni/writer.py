@@ -107,7 +107,7 @@ class StagedTensorFile:
         self._coverage = {s.name: _Coverage(s.nbytes) for s in self.specs}
         self._ordered = ordered
         self._cursor = 0  # ordered: index of the tensor being written
-        self.path = str(owner.directory / f"{len(owner.files) + len(owner.open_files):05d}.bin")
+        self.path = str(owner.directory / f"{owner.next_file_number():05d}.bin")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         self.size = pos
         self._closed = False
@@ -248,6 +248,13 @@ class StagingWriter:
         self.open_files: list[StagedTensorFile] = []
         self._names: set[str] = set()
         self._tensors: dict[str, str] = {}  # tensor name -> its file's name
+        self._numbers = 0
+
+    def next_file_number(self) -> int:
+        """A number no staged file of this writer had (an aborted one's
+        name is not reused while another file is open)."""
+        self._numbers += 1
+        return self._numbers - 1
 
     def open_tensor_file(self, relative_name: str, specs: tuple[TensorWriteSpec, ...], *,
                          ordered: bool = False) -> StagedTensorFile:
