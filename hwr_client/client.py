@@ -157,6 +157,7 @@ class Client(RuntimeChannel):
         file_target_bytes: int = FILE_TARGET_BYTES,
         progress: Callable[[int, int], None] | None = None,
         seed: int | None = None,
+        annotations: Mapping[str, Any] | None = None,
     ) -> PublishReport:
         """Publishes CPU tensors as a final-layout artifact; see
         :func:`hwr_client.publish.publish` for the options and errors."""
@@ -165,7 +166,8 @@ class Client(RuntimeChannel):
         from hwr_client.publish import publish
 
         return publish(self, identity, tensors, blocks=blocks, ordered=ordered,
-                       file_target_bytes=file_target_bytes, progress=progress, seed=seed)
+                       file_target_bytes=file_target_bytes, progress=progress, seed=seed,
+                       annotations=annotations)
 
     def acquire(self, key: str, *, verify: str = "none") -> Lease:
         """Takes a lease on a published artifact and maps it; see

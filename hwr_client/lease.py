@@ -90,9 +90,16 @@ class Lease:
 
     # -- MappedArtifact API ---------------------------------------------------
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Zero-copy read-only views with the manifest's names, dtypes, shapes."""
-        return self._mapped.tensors()
+    def tensors(self, *, storage: str = "shared") -> dict[str, torch.Tensor]:
+        """Zero-copy read-only views with the manifest's names, dtypes, shapes.
+
+        Args:
+            storage: ``"shared"`` (default: the views of one file share its
+                storage) or ``"per-tensor"`` (each view has a storage of
+                exactly its bytes, over the same mapped pages; see
+                :mod:`hwr_client.mapping`).
+        """
+        return self._mapped.tensors(storage=storage)
 
     def block_bytes(self, index: int) -> torch.Tensor:
         """A read-only uint8 view of block ``index``'s contiguous bytes."""

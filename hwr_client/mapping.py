@@ -12,6 +12,14 @@ memory under live views (torch does not hold a buffer export, so close would
 succeed). :meth:`MappedArtifact.release` drops OUR references; the kernel
 mapping goes away when the last view does. A CUDA registrar must keep its own
 reference to the mapping until it has unregistered the range.
+
+Storages: by default every view of one file shares ONE storage (the whole
+file; each view is an offset into it), the cheapest way to build a thousand
+views. ``tensors(storage="per-tensor")`` instead gives each tensor a storage
+of its own that covers exactly its bytes, over the same mapped pages (no
+copy): for consumers that treat tensors sharing a storage as aliases of one
+another (vLLM-Omni's restorer refuses them) or that hand storages to code
+which assumes it owns all of one.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from hwr_client.core.errors import FailedPrecondition
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_client.core.layout import DTYPE_SIZES
 from hwr_client.tensors import TORCH_DTYPES
 from hwr_client.core.manifest import BlockEntry, Manifest, TensorEntry
@@ -57,6 +65,35 @@ def _readonly_frombuffer(mm: mmap.mmap) -> torch.Tensor:
         # enforces it (a write faults), which is exactly what we want.
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+#: What :meth:`MappedArtifact.tensors` may build: one storage per file
+#: (``"shared"``, the default) or one per tensor (``"per-tensor"``).
+STORAGE_MODES = ("shared", "per-tensor")
+
+
+def per_tensor_view(mm: mmap.mmap, t: TensorEntry) -> torch.Tensor:
+    """Tensor ``t`` of a mapped file as a read-only view with a storage of
+    its own: the storage starts at the tensor's first byte and holds exactly
+    its ``nbytes`` (no copy; the storage keeps the mapping alive).
+
+    A tensor of zero bytes has no byte to view: it gets an empty tensor of
+    its dtype and shape (torch refuses a zero-length buffer view).
+
+    Raises:
+        FailedPrecondition: the tensor's range does not fit the mapping.
+    """
+    dtype = TORCH_DTYPES[t.dtype]
+    if t.nbytes == 0:
+        return torch.empty(t.shape, dtype=dtype)
+    if t.offset < 0 or t.offset + t.nbytes > len(mm):
+        raise FailedPrecondition(f"tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) do not fit the "
+                                 f"{len(mm)}-byte mapping")
+    with warnings.catch_warnings():
+        # As _readonly_frombuffer: PROT_READ enforces read-only (a write faults).
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
+    return raw.view(dtype).view(t.shape)
 
 
 #: What MappedArtifact._view_plan returns for values a validated manifest
@@ -106,6 +143,7 @@ class MappedArtifact:
             self._maps.append(mm)
             self._bytes.append(_readonly_frombuffer(mm))
         self._tensors: dict[str, torch.Tensor] | None = None
+        self._per_tensor: dict[str, torch.Tensor] | None = None
 
     def _check_open(self) -> None:
         if not self._bytes:
@@ -116,9 +154,20 @@ class MappedArtifact:
         self._check_open()
         return self._bytes[index]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self, *, storage: str = "shared") -> dict[str, torch.Tensor]:
         """Zero-copy read-only views with the manifest's names, dtypes and
-        shapes, in manifest order. Built once; O(tensors)."""
+        shapes, in manifest order. Built once per storage mode; O(tensors).
+
+        Args:
+            storage: ``"shared"`` (one storage per file) or ``"per-tensor"``
+                (each view's storage holds exactly its bytes; see the
+                module doc).
+
+        Raises:
+            InvalidArgument: an unknown storage mode.
+        """
+        if storage != "shared":
+            return self._per_tensor_views(storage)
         self._check_open()
         if self._tensors is None:
             out = {}
@@ -146,6 +195,16 @@ class MappedArtifact:
                     out[t.name] = self._slice_view(t)
             self._tensors = out
         return self._tensors
+
+    def _per_tensor_views(self, storage: str) -> dict[str, torch.Tensor]:
+        """:meth:`tensors` with ``storage="per-tensor"``: one
+        :func:`per_tensor_view` per tensor, built once."""
+        if storage not in STORAGE_MODES:
+            raise InvalidArgument(f"storage={storage!r}: expected one of {', '.join(STORAGE_MODES)}")
+        self._check_open()
+        if self._per_tensor is None:
+            self._per_tensor = {t.name: per_tensor_view(self._maps[t.file], t) for t in self.manifest.tensors}
+        return self._per_tensor
 
     def _slice_view(self, t: TensorEntry) -> torch.Tensor:
         """Tensor ``t``'s view as bytes sliced from its file, then viewed at
@@ -210,3 +269,4 @@ class MappedArtifact:
         self._maps.clear()
         self._bytes.clear()
         self._tensors = None
+        self._per_tensor = None

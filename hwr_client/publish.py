@@ -20,7 +20,7 @@ import queue
 import random
 import threading
 import time
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import grpc
 import torch
@@ -30,7 +30,7 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import Internal, InvalidArgument, from_rpc_error
 from hwr_client.core.identity import Identity
 from hwr_client.core.manifest import Manifest
-from hwr_client.core.plan import FILE_TARGET_BYTES, CheckedPlan, check_plan, to_proto
+from hwr_client.core.plan import FILE_TARGET_BYTES, CheckedPlan, PlanSpec, check_plan, to_proto
 from hwr_client.tensors import build_plan, iter_payload, spec_of
 
 #: Target payload message size.
@@ -202,6 +202,7 @@ def publish(
     file_target_bytes: int = FILE_TARGET_BYTES,
     progress: Callable[[int, int], None] | None = None,
     seed: int | None = None,
+    annotations: Mapping[str, Any] | None = None,
 ) -> PublishReport:
     """Publishes a mapping of CPU tensors as a final-layout artifact.
 
@@ -218,6 +219,8 @@ def publish(
         file_target_bytes: split block files at about this size.
         progress: called with (bytes sent, total bytes) after each message.
         seed: shuffle seed for unordered mode (None: random).
+        annotations: an opaque ``{"schema_version": 1, "data": {...}}``
+            object stored in the manifest (:mod:`hwr_client.core.annotations`).
 
     Returns:
         PublishReport with the identity key and the stored manifest.
@@ -233,6 +236,39 @@ def publish(
     """
     t0 = time.monotonic()
     plan = build_plan(identity, tensors, blocks=blocks, ordered=ordered, file_target_bytes=file_target_bytes)
+    if annotations is not None:
+        plan = dataclasses.replace(plan, annotations=annotations)
+    return publish_plan(client, plan, tensors, progress=progress, seed=seed, started=t0)
+
+
+def publish_plan(
+    client: RuntimeChannel,
+    plan: PlanSpec,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    seed: int | None = None,
+    started: float | None = None,
+) -> PublishReport:
+    """Publishes ``tensors`` laid out as ``plan`` says: for a caller that
+    chose the files itself (an integration keeping its producer's sharding).
+
+    Args:
+        client: a connected :class:`hwr_client.Client`.
+        plan: the plan (:func:`hwr_client.tensors.build_plan` makes one);
+            every planned tensor must be in ``tensors`` with its dtype and shape.
+        tensors: name -> CPU tensor.
+        progress: called with (bytes sent, total bytes) after each message.
+        seed: shuffle seed for unordered mode (None: random).
+        started: ``time.monotonic()`` at which the report's clock starts.
+
+    Returns and Raises: as :func:`publish`.
+    """
+    t0 = time.monotonic() if started is None else started
+    ordered = plan.ordered
+    missing = [t.name for f in plan.files for t in f.tensors if t.name not in tensors]
+    if missing:
+        raise InvalidArgument(f"publication: planned tensors {missing[:5]} are not in the tensor mapping")
     checked = check_plan(plan)
     _check_tensors(checked, tensors)
 
@@ -281,4 +317,4 @@ def publish(
                          time.monotonic() - t0)
 
 
-__all__ = ["MESSAGE_BYTES", "PublishReport", "publish"]
+__all__ = ["MESSAGE_BYTES", "PublishReport", "publish", "publish_plan"]

@@ -13,9 +13,15 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.annotations import (
+    MAX_ANNOTATIONS_BYTES,
+    annotations_json,
+    check_annotations,
+    parse_annotations,
+)
 from hwr_client.core.digests import check_label_text
 from hwr_client.core.errors import InvalidArgument, ResourceExhausted
 from hwr_client.core.identity import Identity
@@ -71,6 +77,8 @@ class PlanSpec:
     the daemon hashes while writing (otherwise it hashes by read-back).
     ``declared_content_digest``: the ``sha256:<hex>`` content digest the
     client expects, checked at commit; empty if none.
+    ``annotations``: an opaque object the daemon stores unchanged in the
+    manifest (:mod:`hwr_client.core.annotations`); None for none.
     """
 
     identity: Identity
@@ -78,6 +86,7 @@ class PlanSpec:
     blocks: tuple[BlockSpec, ...]
     ordered: bool = True
     declared_content_digest: str = ""
+    annotations: Mapping[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +154,8 @@ def check_plan(plan: PlanSpec) -> CheckedPlan:
         layouts.append(layout_file(f.tensors))
     if plan.declared_content_digest and not _CONTENT_DIGEST.match(plan.declared_content_digest):
         raise InvalidArgument("publication plan: declared_content_digest must be 'sha256:<64 hex>'")
+    if plan.annotations is not None:
+        check_annotations(plan.annotations, what="publication plan: annotations")
     checked: list[CheckedBlock] = []
     owner: dict[str, int] = {}  # tensor name -> the block that holds it
     for bi, b in enumerate(plan.blocks):
@@ -236,6 +247,12 @@ def check_plan_message(msg: pb.PublishPlan, limits: PlanLimits) -> None:
     # The identity is stored in the manifest: one that cannot fit it never could be served.
     if len(msg.identity_json) > limits.max_manifest_bytes:
         raise _exhausted("identity bytes", len(msg.identity_json), limits.max_manifest_bytes, "max_manifest_bytes")
+    # Annotations have their own fixed limit: a str of n characters holds at
+    # least n UTF-8 bytes, so a longer one is refused before from_proto
+    # parses it (the exact canonical size is checked there).
+    if len(msg.annotations_json) > MAX_ANNOTATIONS_BYTES:
+        raise InvalidArgument(f"publication plan: annotations of {len(msg.annotations_json)} characters exceed the "
+                              f"limit {MAX_ANNOTATIONS_BYTES} bytes (MAX_ANNOTATIONS_BYTES)")
     for fi, f in enumerate(msg.files):
         check_label_text(f.name, f"publication plan: files[{fi}].name")
         header = 0
@@ -299,6 +316,7 @@ def to_proto(plan: PlanSpec) -> pb.PublishPlan:
         blocks=[pb.BlockPlan(index=b.index, prefix=b.prefix, tensors=list(b.tensors)) for b in plan.blocks],
         ordered=plan.ordered,
         declared_content_digest=plan.declared_content_digest,
+        annotations_json=annotations_json(dict(plan.annotations)) if plan.annotations is not None else "",
     )
 
 
@@ -316,7 +334,8 @@ def from_proto(msg: pb.PublishPlan) -> PlanSpec:
         for f in msg.files
     )
     blocks = tuple(BlockSpec(b.index, b.prefix, tuple(b.tensors)) for b in msg.blocks)
-    return PlanSpec(identity, files, blocks, msg.ordered, msg.declared_content_digest)
+    annotations = parse_annotations(msg.annotations_json, what="publication plan: annotations")
+    return PlanSpec(identity, files, blocks, msg.ordered, msg.declared_content_digest, annotations)
 
 
 def build_manifest(
@@ -349,7 +368,8 @@ def build_manifest(
     blocks = tuple(BlockEntry(b.index, b.prefix, b.file, b.begin, b.end, block_xxh[b.index], b.tensors) for b in checked.blocks)
     digest = content_digest((t.name, t.dtype, t.shape, t.sha256) for t in tensors)
     created = int(time.time()) if created_unix is None else created_unix
-    return Manifest(plan.identity.key, plan.identity, digest, created, files, tensors, blocks)
+    annotations = dict(plan.annotations) if plan.annotations is not None else None
+    return Manifest(plan.identity.key, plan.identity, digest, created, files, tensors, blocks, annotations)
 
 
 def planned_manifest_bytes(checked: CheckedPlan) -> int:

@@ -17,18 +17,20 @@ class PublishRequest(_message.Message):
     def __init__(self, plan: _Optional[_Union[PublishPlan, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., commit: _Optional[_Union[PublishCommit, _Mapping]] = ...) -> None: ...
 
 class PublishPlan(_message.Message):
-    __slots__ = ("identity_json", "files", "blocks", "ordered", "declared_content_digest")
+    __slots__ = ("identity_json", "files", "blocks", "ordered", "declared_content_digest", "annotations_json")
     IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ORDERED_FIELD_NUMBER: _ClassVar[int]
     DECLARED_CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ANNOTATIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     identity_json: str
     files: _containers.RepeatedCompositeFieldContainer[FilePlan]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockPlan]
     ordered: bool
     declared_content_digest: str
-    def __init__(self, identity_json: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., blocks: _Optional[_Iterable[_Union[BlockPlan, _Mapping]]] = ..., ordered: _Optional[bool] = ..., declared_content_digest: _Optional[str] = ...) -> None: ...
+    annotations_json: str
+    def __init__(self, identity_json: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., blocks: _Optional[_Iterable[_Union[BlockPlan, _Mapping]]] = ..., ordered: _Optional[bool] = ..., declared_content_digest: _Optional[str] = ..., annotations_json: _Optional[str] = ...) -> None: ...
 
 class FilePlan(_message.Message):
     __slots__ = ("name", "tensors", "declared_sha256")
