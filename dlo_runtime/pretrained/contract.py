@@ -119,6 +119,16 @@ class PretrainedContract(Contract):
                 model = cls.from_config(config)
             else:
                 config = cls.config_class.from_pretrained(self.files.directory, local_files_only=True)
+                # As transformers' from_pretrained does before it builds the
+                # model: the requested dtype on the config and on every
+                # sub-config, so a nested `_from_config` (CLIPTextModelWith-
+                # Projection's text model) builds in it, not in the dtype the
+                # checkpoint was saved in.
+                config.dtype = self.dtype
+                for sub_key in getattr(config, "sub_configs", {}) or {}:
+                    sub = getattr(config, sub_key, None)
+                    if sub is not None:
+                        sub.dtype = self.dtype
                 model = cls(config)
         if self.library == "transformers" and hasattr(model, "tie_weights"):
             model.tie_weights()  # as the ordinary load ties them: one tensor, two names
