@@ -144,6 +144,11 @@ def _check_key_file(st: os.stat_result, what: str) -> None:
         raise FailedPrecondition(f"{what}: {st.st_size} bytes, over the {MAX_KEY_FILE_BYTES}-byte limit of a key")
 
 
+def generate_key() -> Ed25519PrivateKey:
+    """A new Ed25519 private key (the operating system's randomness)."""
+    return Ed25519PrivateKey.generate()
+
+
 def write_private_key(path: str, key: Ed25519PrivateKey) -> None:
     """Writes a new key file, mode 0600, never over an existing file or link
     (``O_EXCL``), fsynced with its directory (a key that a crash loses after
@@ -194,5 +199,5 @@ def check_payload(data: bytes, *, manifest_digest: str, key: str) -> str:
     return ""
 
 
-__all__ = ["MAX_KEY_FILE_BYTES", "PAYLOAD_TYPE", "PublicKey", "check_payload", "load_private_key",
+__all__ = ["MAX_KEY_FILE_BYTES", "PAYLOAD_TYPE", "PublicKey", "check_payload", "generate_key", "load_private_key",
            "parse_public_key", "parse_trusted_keys", "payload", "public_of", "write_private_key"]
