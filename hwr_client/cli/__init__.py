@@ -33,7 +33,7 @@ COMMAND_MODULES = (
 #: 3 = not found; 4 = precondition/conflict; 5 = daemon unreachable; 6 other.
 EXIT_CODES = {
     "InvalidArgument": 2, "NotFound": 3, "FailedPrecondition": 4, "Aborted": 4, "AlreadyExists": 4,
-    "ResourceExhausted": 4, "PermissionDenied": 4, "Unavailable": 5, "DataLoss": 1,
+    "ResourceExhausted": 4, "PermissionDenied": 4, "Unavailable": 5, "DataLoss": 1, "UntrustedPublisher": 4,
 }
 
 

@@ -76,7 +76,7 @@ from hwr_server.remote.oci import (
     MANIFEST_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES, build_oci_manifest, check_config, digest_of, parse_oci_manifest,
 )
 from hwr_server.remote.registry import Reference, RegistryClient, client_for, parse_reference
-from hwr_server.remote.signatures import sign_push, verify_pull
+from hwr_server.remote.signatures import sign, signing_key_of, verify_pull
 from hwr_server.remote.signing import parse_trusted_keys
 from hwr_server.remote.transfer import download_layer, link_stored, run_all
 from hwr_server.store import commit as durable
@@ -256,6 +256,8 @@ class Remote:
         t0 = time.monotonic()
         manifest, paths = self.store.get(key)
         self.trust.check_push(key, self.store.publisher(key) or UNRECORDED)
+        rem = self.config.remote
+        private = signing_key_of(rem.signing_key)  # an unfit key fails the push before any upload
         config = self.store.manifest_json(key).encode("utf-8")
         oci = build_oci_manifest(manifest, config)
         client = self.client(ref.host)
@@ -263,7 +265,6 @@ class Remote:
         layers = list({f.blob: (f, p) for f, p in zip(manifest.files, paths)}.values())
         counter = _Counter(sum(f.size for f, _ in layers), len(layers), progress)
         sent = [0, 0]  # bytes, layers
-        rem = self.config.remote
 
         def one(item: tuple[Any, str]) -> None:
             f, path = item
@@ -294,7 +295,7 @@ class Remote:
         if digest and digest != digest_of(oci):
             raise FailedPrecondition(f"push {ref.host}/{repo}:{tag}: the registry names the manifest {digest}, "
                                      f"its bytes hash to {digest_of(oci)}")
-        signed = sign_push(rem.signing_key, client, repo, subject=oci, key=key)
+        signed = sign(client, repo, subject=oci, key=key, private=private) if private else None
         seconds = time.monotonic() - t0
         log.info("pushed %s to %s/%s:%s: %d of %d layers, %d bytes in %.2f s", key[:12], ref.host, repo, tag,
                  sent[1], len(layers), sent[0], seconds)

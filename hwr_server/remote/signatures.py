@@ -118,7 +118,7 @@ def sign(client: RegistryClient, repository: str, *, subject: bytes, key: str,
     manifest = signature_manifest(subject_digest, len(subject), data, sig, public.id)
     indexed = client.put_referrer(repository, manifest, MANIFEST_MEDIA_TYPE)
     if not indexed:
-        _add_to_fallback(client, repository, subject_digest, {
+        index_in_fallback(client, repository, subject_digest, {
             "mediaType": MANIFEST_MEDIA_TYPE, "digest": digest_of(manifest), "size": len(manifest),
             "artifactType": SIGNATURE_ARTIFACT_TYPE, "annotations": {SIGNER_ANNOTATION: public.id}})
     log.info("signed %s (%s) in %s/%s with %s: %s", key[:12], subject_digest[:19], client.host, repository,
@@ -126,7 +126,9 @@ def sign(client: RegistryClient, repository: str, *, subject: bytes, key: str,
     return Signed(digest_of(manifest), public.id)
 
 
-def _add_to_fallback(client: RegistryClient, repository: str, subject_digest: str, entry: dict[str, Any]) -> None:
+def index_in_fallback(client: RegistryClient, repository: str, subject_digest: str, entry: dict[str, Any]) -> None:
+    """Adds the descriptor ``entry`` of a referrer of ``subject_digest`` to
+    its fallback index (the referrers tag schema), creating the index."""
     tag = fallback_tag(subject_digest)
     raw = client.get_index(repository, tag, limit=MAX_INDEX_BYTES)
     index = _index_doc(raw, what=f"{client.host}/{repository}:{tag}") if raw is not None else None
@@ -232,18 +234,15 @@ def _check_one(client: RegistryClient, repository: str, desc: dict[str, Any], su
     return ("", why) if why else (signer, "")
 
 
-def sign_push(signing_key: str, client: RegistryClient, repository: str, *, subject: bytes, key: str
-              ) -> Signed | None:
-    """A push's signature with ``[remote] signing_key`` (read now, so a
-    rotated key applies at the next push); None when none is configured.
+def signing_key_of(path: str) -> Ed25519PrivateKey | None:
+    """``[remote] signing_key``, read now (a rotated key applies at the next
+    push, and an unfit one fails the push before anything is uploaded);
+    None when none is configured (pushes are unsigned).
 
     Raises:
         FailedPrecondition: the key file is unfit (see ``load_private_key``).
     """
-    if not signing_key:
-        return None
-    return sign(client, repository, subject=subject, key=key,
-                private=load_private_key(signing_key, what="[remote] signing_key"))
+    return load_private_key(path, what="[remote] signing_key") if path else None
 
 
 def verify_pull(trusted: dict[str, PublicKey], client: RegistryClient, repository: str, *, subject_digest: str,
@@ -261,4 +260,5 @@ def verify_pull(trusted: dict[str, PublicKey], client: RegistryClient, repositor
 
 
 __all__ = ["INDEX_MEDIA_TYPE", "MAX_SIGNATURES", "PAYLOAD_MEDIA_TYPE", "SIGNATURE_ARTIFACT_TYPE", "Signed",
-           "fallback_tag", "find", "sign", "sign_push", "signature_manifest", "verify", "verify_pull"]
+           "fallback_tag", "find", "index_in_fallback", "sign", "signature_manifest", "signing_key_of", "verify",
+           "verify_pull"]

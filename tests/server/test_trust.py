@@ -17,40 +17,9 @@ from hwr_server.access.peers import Peer
 from hwr_server.access.publisher import UNRECORDED, Publisher, parse, published_by, pulled
 from hwr_server.access.trust import TrustPolicy, resolve_publishers
 from tests.conftest import identity, sample_tensors
-from tests.support.privdrop import run_python_as
-
-NOBODY = pwd.getpwnam("nobody")
+from tests.support.trust import NOBODY, open_to_nobody, publish_as_nobody
 PLANTED = identity(t="planted")
 OTHER = identity(t="planted-2")
-
-#: The attacker: publishes PLANTED with every weight 666.0 (the finding:
-#: `blocks.0.w[0,0] = 666.0` loaded by another user's required worker),
-#: then looks its own artifact up, which it may use (mapping it needs the
-#: store's directory, which the test's temp root keeps from nobody).
-_CHILD = r"""
-import json, os, sys
-import hwr_client
-from hwr_client.core._proto import hwr_pb2 as pb
-from tests.conftest import sample_tensors
-ids = json.loads(os.environ["T_IDS"])
-planted = {k: v * 0 + 666 for k, v in sample_tensors(blocks=2).items()}
-out = {"uid": os.getuid(), "keys": []}
-with hwr_client.connect(os.environ["T_SOCKET"]) as c:
-    for ident in ids:
-        out["keys"].append(c.publish(ident, planted).key)
-    out["own"] = c.call(c.runtime.Lookup, pb.LookupRequest(key=out["keys"][0])).publisher.text
-print(json.dumps(out))
-"""
-
-
-def _publish_as_nobody(d, *idents) -> dict:
-    env = dict(os.environ, T_SOCKET=d.socket, T_IDS=json.dumps(list(idents)))
-    r = run_python_as(NOBODY.pw_uid, NOBODY.pw_gid, _CHILD, env=env, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["uid"] == NOBODY.pw_uid
-    return out
-
 
 def _served(make_daemon_fixture, tmp_path, name: str, toml: str = ""):
     """A daemon as root whose runtime socket nobody reaches through its
@@ -61,13 +30,13 @@ def _served(make_daemon_fixture, tmp_path, name: str, toml: str = ""):
         conf.write_text(toml)
         extra += ["--config", str(conf)]
     d = make_daemon_fixture(*extra, root=str(tmp_path / f"root-{name}"), start=False)
-    os.chmod(os.path.dirname(d.socket), 0o755)  # mkdtemp made it 0700; the socket's own mode decides
+    open_to_nobody(d)
     return d.start()
 
 
 def test_nobody_publishes_a_key_and_roots_required_worker_refuses_it(make_daemon_fixture, tmp_path):
     d = _served(make_daemon_fixture, tmp_path, "plain")
-    out = _publish_as_nobody(d, PLANTED)
+    out = publish_as_nobody(d, PLANTED)
     key = out["keys"][0]
     # nobody may use its own artifact, and is told who published it.
     assert out["own"].startswith(f"uid {NOBODY.pw_uid} (pid ")
@@ -110,7 +79,7 @@ def test_nobody_publishes_a_key_and_roots_required_worker_refuses_it(make_daemon
 
 def test_trusted_publishers_and_unrecorded_artifacts(make_daemon_fixture, tmp_path):
     d = _served(make_daemon_fixture, tmp_path, "trusting", 'trusted_publishers = ["nobody"]\n')
-    key = _publish_as_nobody(d, PLANTED)["keys"][0]
+    key = publish_as_nobody(d, PLANTED)["keys"][0]
     with d.client() as c:
         hit = c.resolve(PLANTED, mode="required")
         assert hit.outcome == "LOCAL_HIT" and hit.publisher.startswith(f"uid {NOBODY.pw_uid}")
