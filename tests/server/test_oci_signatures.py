@@ -71,8 +71,18 @@ def test_signed_push_pulls_on_a_node_that_trusts_the_key(nodes, registry, keys):
     assert index["manifests"][0]["digest"] == done.signature_digest
     # Another daemon that trusts A pulls it, and records who vouched for it.
     b = nodes(repo, remote_extra=keys_toml(trusted=(pub_a,)))
+    proxy.take()
     got = pull(b, f"{proxy.host}/{repo}:{key}")
     assert got.key == key and got.signer == pub_a.id
+    # What the check costs: four small GETs (the referrers API's 404, the
+    # fallback index, the signature manifest, its payload), all before the
+    # first layer.
+    seen = [x.path for x in proxy.take() if x.method == "GET"]
+    wanted = ("/referrers/", f"sha256-{done.manifest_digest[7:]}", done.signature_digest, sig["layers"][0]["digest"])
+    checks = [i for i, path in enumerate(seen) if any(w in path for w in wanted)]
+    layers = {lay["digest"] for lay in oras_client.get_manifest(f"{reg.host}/{repo}:{key}")["layers"]}
+    first_layer = min(i for i, path in enumerate(seen) if path.rsplit("/", 1)[-1] in layers)
+    assert len(checks) == 4 and max(checks) < first_layer, seen
     with b.client() as c:
         hit = c.resolve(identity(t="signed"), mode="required")
         assert hit.outcome == "LOCAL_HIT" and f"signed by {pub_a.id}" in hit.publisher
