@@ -23,6 +23,7 @@ from tests.conftest import identity
 from tests.support.oci_nodes import nodes, registry  # noqa: F401 - fixtures, used by name
 from tests.support.oci_nodes import nothing_left, publish, pull, push
 from tests.support.oci_registry import remote_config
+from tests.support.referrers_registry import ReferrersRegistry
 from tests.support.trust import NOBODY, keys_toml, new_key, open_to_nobody, publish_as_nobody
 
 INDEX = "application/vnd.oci.image.index.v1+json"
@@ -207,3 +208,25 @@ def test_signature_payload_is_bound_to_the_manifest_and_key():
     assert "another manifest" in check_payload(good, manifest_digest="sha256:" + "a" * 64, key="j" * 64)
     forged = json.dumps({"type": "cosign", "manifest_digest": "sha256:" + "a" * 64, "key": "k" * 64}).encode()
     assert "not of type" in check_payload(forged, manifest_digest="sha256:" + "a" * 64, key="k" * 64)
+
+
+def test_a_registry_with_the_referrers_api_indexes_the_signature_itself(keys):
+    """The referrers API branch (OCI distribution 1.1): no fallback tag is
+    written, and the signature is found through the API."""
+    reg = ReferrersRegistry()
+    try:
+        client = RegistryClient(reg.host, insecure=True)
+        _, priv_a, pub_a = keys["A"]
+        subject = json.dumps({"schemaVersion": 2, "mediaType": MANIFEST_MEDIA_TYPE}).encode()
+        client.put_manifest("hwr/api", "k" * 64, subject, MANIFEST_MEDIA_TYPE)
+        signed = signatures.sign(client, "hwr/api", subject=subject, key="k" * 64, private=priv_a)
+        assert not any(ref.startswith("sha256-") for ref in reg.manifests)  # indexed by the registry
+        found = signatures.find(client, "hwr/api", digest_of(subject))
+        assert [d["digest"] for d in found] == [signed.digest] and reg.referrer_gets == 1
+        assert signatures.verify(client, "hwr/api", subject_digest=digest_of(subject), key="k" * 64,
+                                 trusted={pub_a.id: pub_a}, what="t") == pub_a.id
+        with pytest.raises(PermissionDenied, match="not a trusted key"):
+            signatures.verify(client, "hwr/api", subject_digest=digest_of(subject), key="k" * 64,
+                              trusted={keys["B"][2].id: keys["B"][2]}, what="t")
+    finally:
+        reg.close()
