@@ -87,6 +87,9 @@ class Lease:
         self._lock = threading.Lock()
         self._closed = False
         self._lost = False
+        #: Who published the artifact, as the daemon recorded it (README
+        #: "Trust"), e.g. "uid 0 (pid 4242, python3)"; "" when not known.
+        self.publisher = ""
 
     # -- MappedArtifact API ---------------------------------------------------
 
@@ -325,6 +328,7 @@ def acquire(client: LeaseClient, key: str, *, verify: str = "none") -> Lease:
         _release_quietly(session, reply.lease_id, key)
         raise
     lease = Lease(key, reply.lease_id, mapped, release=session.release, session=session)
+    lease.publisher = reply.publisher.text
     session.track(reply.lease_id, lease)
     if verify != "none":
         _verify_or_close(client, lease, verify)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from hwr_server.access.trust import TrustPolicy
 from hwr_server.gc.collector import Collector
 from hwr_server.leases.manager import LeaseManager
 from hwr_server.metrics import Metrics
@@ -35,3 +36,5 @@ class Components:
     metrics: Metrics
     registration: RegistrationAdmission
     remote: Remote
+    #: Whose artifacts each caller takes (README "Trust").
+    trust: TrustPolicy

@@ -65,6 +65,16 @@ class RemoteConfig:
     #: and size, while it downloads) or "full" (also re-hashes every tensor
     #: and block against the pulled manifest, as `hwr verify` does).
     verify_pull: str = "file"
+    #: Ed25519 private key (PEM, a file of the daemon's user, mode 0600;
+    #: `hwr keys generate PATH`) that signs every push; "" = pushes are
+    #: unsigned. Read at each push, so `hwr keys rotate` needs no restart.
+    signing_key: str = ""
+    #: Public keys (`ssh-ed25519 AAAA...` lines, as `hwr keys show` prints)
+    #: whose signature a pull requires: with any set, a pull or pull on a
+    #: miss of an artifact no listed key signed is PERMISSION_DENIED and
+    #: stores nothing. Empty (default): pulls are not checked for
+    #: signatures; the configured registry is trusted (README "Trust").
+    trusted_keys: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_mapping(cls, doc: Any, *, what: str) -> "RemoteConfig":
@@ -83,7 +93,9 @@ class RemoteConfig:
                 continue
             default = getattr(defaults, k)
             ok = (type(v) is bool if isinstance(default, bool) else type(v) is int if isinstance(default, int)
-                  else type(v) in (int, float) if isinstance(default, float) else isinstance(v, str))
+                  else type(v) in (int, float) if isinstance(default, float)
+                  else isinstance(v, list) and all(isinstance(x, str) for x in v) if isinstance(default, list)
+                  else isinstance(v, str))
             if not ok:
                 raise InvalidArgument(f"{what}: remote.{k} = {v!r} has the wrong type; expected "
                                       f"{type(default).__name__}")
@@ -208,6 +220,18 @@ class ServerConfig:
     #: Count. Default 1024 (a worker holds one per artifact it maps).
     max_leases_per_session: int = 1024
 
+    # -- trust in publishers (hwr_server.access.trust; README "Trust") --
+    #: Publishers whose artifacts every worker takes, besides its own uid,
+    #: root and the daemon's uid: user names or uids, and groups as
+    #: "group:NAME" or "group:GID" (members and users of that primary
+    #: group). Resolved when the daemon starts; an unknown name refuses to
+    #: start. Default: none.
+    trusted_publishers: list[str] = dataclasses.field(default_factory=list)
+    #: Artifacts with no publisher record (published before the daemon kept
+    #: them) count as the daemon's. Default false: nobody takes them until
+    #: they are published again (or this is set, after checking the store).
+    trust_unrecorded_publishers: bool = False
+
     # -- host registration admission (hwr_server.registration.admission) --
     #: Bytes of host memory all workers of the node may have registered
     #: (pinned for the device) at once; more is refused "budget" and the
@@ -295,7 +319,9 @@ class ServerConfig:
             # k is one of our own field names (checked above): the default's
             # type is what the value must have.
             default = getattr(defaults, k)
-            if isinstance(default, bool) or type(default) is int:
+            if isinstance(default, bool):
+                ok = type(v) is bool
+            elif type(default) is int:
                 ok = type(v) is int
             elif isinstance(default, float):
                 ok = type(v) in (int, float)

@@ -32,6 +32,7 @@ import threading
 from typing import ContextManager, Mapping, Protocol, Sequence
 
 from hwr_client.core.manifest import Manifest
+from hwr_server.access.publisher import Publisher
 
 
 class CapacityHook(Protocol):
@@ -98,7 +99,6 @@ class LeaseStore(Protocol):
     def contains(self, key: str) -> bool:
         """Whether ``key`` is published now (re-checked after a grant)."""
         ...
-
 
 class GcStore(Protocol):
     """What garbage collection needs of the store."""
@@ -184,7 +184,7 @@ class SequenceStore(Protocol):
     def blob_refs(self) -> dict[str, set[str]]: ...
     def known_bad_blobs(self) -> set[str]: ...
     def indexed(self, key: str) -> Manifest | None: ...
-    def index_published(self, key: str, manifest: Manifest) -> None: ...
+    def index_published(self, key: str, manifest: Manifest, publisher: Publisher) -> None: ...
     def index_unpublished(self, key: str, *, quarantine_entry: str = "", reason: str = "",
                           manifest: Manifest | None = None) -> None: ...
 
@@ -201,6 +201,11 @@ class RemoteStore(SequenceStore, Protocol):
     def manifest_json(self, key: str) -> str: ...
 
     def contains(self, key: str) -> bool: ...
+
+    def publisher(self, key: str) -> Publisher | None:
+        """Who published ``key`` (a push spreads only trusted artifacts);
+        None when it is not published."""
+        ...
 
     def claim(self, key: str, pub_id: str) -> bool:
         """Single flight with publications; True when already published."""

@@ -55,6 +55,7 @@ from hwr_client.core.errors import Aborted, FailedPrecondition, HwrError, Invali
 from hwr_client.core.plan import CheckedPlan, build_manifest, check_plan, check_plan_message, check_plan_sizes, from_proto
 from hwr_server.access.files import Untrusted, open_stored
 from hwr_server.access.peers import ANONYMOUS, Peer
+from hwr_server.access.publisher import published_by
 from hwr_server.publish.limits import plan_limits
 from hwr_server.store import commit as durable
 from hwr_server.store.hashing import WholeHasher, _Stage, parts_from_plan, readback, set_native_thread_name
@@ -394,7 +395,8 @@ class Publication:
             [self._file_path(i) for i in range(self.n_files)], self._sync_payload,
         )
         try:
-            text = durable.publish(self.store, staged, manifest, self._moved)
+            text = durable.publish(self.store, staged, manifest, self._moved,
+                                   publisher=published_by(self.peer, self.pub_id))
         except OSError as exc:
             raise os_error(exc, f"publication {self.pub_id} commit") from None
         self._done = True

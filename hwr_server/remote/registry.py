@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import http.client
 import json
 import logging
@@ -411,6 +412,44 @@ class RegistryClient:
                           body=data, headers={"Content-Type": media_type}, ok=(201,),
                           what=f"manifest {self.host}/{repository}:{tag}") as r:
             return r.headers.get("Docker-Content-Digest", "")
+
+    # -- referrers (OCI distribution spec 1.1; hwr_server.remote.signatures) -----
+
+    def referrers(self, repository: str, digest: str, *, artifact_type: str, limit: int) -> bytes | None:
+        """The image index of the manifests whose ``subject`` is ``digest``
+        (``GET /v2/<name>/referrers/<digest>``, filtered by artifact type
+        where the registry filters), at most ``limit`` bytes; None when the
+        registry has no referrers API (404: the spec forbids a 404 from a
+        registry that has it), so the caller reads the fallback tag."""
+        query = urllib.parse.urlencode({"artifactType": artifact_type})
+        try:
+            with self.request("GET", f"/v2/{repository}/referrers/{digest}?{query}", scope=self._scope(repository),
+                              headers={"Accept": "application/vnd.oci.image.index.v1+json"},
+                              what=f"referrers of {self.host}/{repository}@{digest[:19]}") as r:
+                return r.read(limit)
+        except NotFound:
+            return None
+
+    def get_index(self, repository: str, tag: str, *, limit: int) -> bytes | None:
+        """An image index by tag (the referrers tag schema), at most
+        ``limit`` bytes; None when there is no such tag."""
+        try:
+            with self.request("GET", f"/v2/{repository}/manifests/{tag}", scope=self._scope(repository),
+                              headers={"Accept": "application/vnd.oci.image.index.v1+json"},
+                              what=f"index {self.host}/{repository}:{tag}") as r:
+                return r.read(limit)
+        except NotFound:
+            return None
+
+    def put_referrer(self, repository: str, data: bytes, media_type: str) -> bool:
+        """PUT of a manifest with a ``subject`` by its own digest; True when
+        the registry indexed it for the referrers API (it answers
+        ``OCI-Subject``), False when the caller must update the fallback tag."""
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        with self.request("PUT", f"/v2/{repository}/manifests/{digest}", scope=self._scope(repository, push=True),
+                          body=data, headers={"Content-Type": media_type}, ok=(201,),
+                          what=f"manifest {self.host}/{repository}@{digest[:19]}") as r:
+            return bool(r.headers.get("OCI-Subject"))
 
 
 class _Counting:

@@ -43,6 +43,14 @@ tag's key. With ``[remote] verify_pull = "full"`` it also re-hashes every
 tensor and block against the manifest before the commit; by default those
 are checked by ``hwr verify`` / a lease's ``verify="full"``, as for any
 stored artifact.
+
+Trust (README "Trust"; :mod:`hwr_server.remote.signatures`): a push spreads
+only artifacts this node trusts (their publisher record) and, with
+``[remote] signing_key``, signs the pushed manifest as its referrer; with
+``[remote] trusted_keys`` a pull requires a trusted key's signature of the
+manifest before any layer is fetched (PERMISSION_DENIED, nothing stored).
+A pull's commit records the daemon as the publisher, with the source and
+the signing key.
 """
 
 from __future__ import annotations
@@ -60,12 +68,16 @@ from hwr_client.core.errors import DataLoss, FailedPrecondition, InvalidArgument
 from hwr_client.core.identity import check_key
 from hwr_client.core.manifest import Manifest
 from hwr_server.access.files import Untrusted, open_stored
+from hwr_server.access.publisher import UNRECORDED, pulled
+from hwr_server.access.trust import TrustPolicy
 from hwr_server.config import ServerConfig
 from hwr_server.interfaces import RemoteStore
 from hwr_server.remote.oci import (
     MANIFEST_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES, build_oci_manifest, check_config, digest_of, parse_oci_manifest,
 )
 from hwr_server.remote.registry import Reference, RegistryClient, client_for, parse_reference
+from hwr_server.remote.signatures import sign, signing_key_of, verify_pull
+from hwr_server.remote.signing import parse_trusted_keys
 from hwr_server.remote.transfer import download_layer, link_stored, run_all
 from hwr_server.store import commit as durable
 from hwr_server.store.recovery import verify_artifact
@@ -100,6 +112,8 @@ class Transfer:
             those the other side already had.
         seconds: wall time.
         already_present: a pull found the artifact in the store (nothing done).
+        signature_digest: a push's signature artifact ("" unsigned).
+        signer: the key that signed a push, or whose signature a pull verified.
     """
 
     key: str
@@ -110,6 +124,8 @@ class Transfer:
     layers_skipped: int
     seconds: float
     already_present: bool = False
+    signature_digest: str = ""
+    signer: str = ""
 
 
 class _Flight:
@@ -164,11 +180,19 @@ class Remote:
         config: the daemon's configuration (``remote`` table; the store's
             manifest limit bounds a config blob).
         store: the store artifacts are read from and committed into.
+        trust: who this node trusts (a push spreads only their artifacts);
+            by default root, the daemon and the configured trusted keys.
+
+    Raises:
+        InvalidArgument: an entry of ``[remote] trusted_keys`` is not a key.
     """
 
-    def __init__(self, config: ServerConfig, store: RemoteStore):
+    def __init__(self, config: ServerConfig, store: RemoteStore, *, trust: TrustPolicy | None = None):
         self.config = config
         self.store = store
+        #: [remote] trusted_keys by key id: a pull needs one's signature.
+        self.trusted_keys = parse_trusted_keys(config.remote.trusted_keys)
+        self.trust = trust or TrustPolicy(trusted_keys=frozenset(self.trusted_keys))
         self._lock = threading.Lock()
         self._clients: dict[str, RegistryClient] = {}
         self._flights: dict[str, _Flight] = {}
@@ -231,6 +255,9 @@ class Remote:
     def _push(self, key: str, ref: Reference, tag: str, progress: ProgressFn) -> Transfer:
         t0 = time.monotonic()
         manifest, paths = self.store.get(key)
+        self.trust.check_push(key, self.store.publisher(key) or UNRECORDED)
+        rem = self.config.remote
+        private = signing_key_of(rem.signing_key)  # an unfit key fails the push before any upload
         config = self.store.manifest_json(key).encode("utf-8")
         oci = build_oci_manifest(manifest, config)
         client = self.client(ref.host)
@@ -238,7 +265,6 @@ class Remote:
         layers = list({f.blob: (f, p) for f, p in zip(manifest.files, paths)}.values())
         counter = _Counter(sum(f.size for f, _ in layers), len(layers), progress)
         sent = [0, 0]  # bytes, layers
-        rem = self.config.remote
 
         def one(item: tuple[Any, str]) -> None:
             f, path = item
@@ -269,11 +295,13 @@ class Remote:
         if digest and digest != digest_of(oci):
             raise FailedPrecondition(f"push {ref.host}/{repo}:{tag}: the registry names the manifest {digest}, "
                                      f"its bytes hash to {digest_of(oci)}")
+        signed = sign(client, repo, subject=oci, key=key, private=private) if private else None
         seconds = time.monotonic() - t0
         log.info("pushed %s to %s/%s:%s: %d of %d layers, %d bytes in %.2f s", key[:12], ref.host, repo, tag,
                  sent[1], len(layers), sent[0], seconds)
         return Transfer(key, f"{ref.host}/{repo}@{digest_of(oci)}", digest_of(oci), sent[0], sent[1],
-                        len(layers) - sent[1], seconds)
+                        len(layers) - sent[1], seconds, signature_digest=signed.digest if signed else "",
+                        signer=signed.signer if signed else "")
 
     def push_after_publish(self, key: str) -> None:
         """``[remote] push_after_publish``: pushes a just-committed artifact
@@ -282,6 +310,11 @@ class Remote:
         misses loads canonically, as without a remote)."""
         rem = self.config.remote
         if not (rem.push_after_publish and rem.registry and rem.repository):
+            return
+        publisher = self.store.publisher(key) or UNRECORDED
+        if not self.trust.node_trusts(publisher):
+            log.info("push after publish of %s: not pushed, published by %s (only trusted publishers' artifacts "
+                     "are pushed)", key[:12], publisher.describe())
             return
 
         def run() -> None:
@@ -381,9 +414,12 @@ class Remote:
             with client.open_blob(ref.repository, oci.config.digest) as r:
                 config = r.read(limit)
             manifest = check_config(oci, config, what=what, tag=ref.tag)
+            # The signature rule before any layer is fetched: refused, nothing is stored.
+            signer = verify_pull(self.trusted_keys, client, ref.repository, subject_digest=oci.digest,
+                                 key=manifest.key, what=what)
             done = (self._flight(manifest.key, progress,
-                                 lambda p: self._materialize(ref, client, manifest, oci.digest, p, t0))
-                    if not key else self._materialize(ref, client, manifest, oci.digest, progress, t0))
+                                 lambda p: self._materialize(ref, client, manifest, oci.digest, p, t0, signer))
+                    if not key else self._materialize(ref, client, manifest, oci.digest, progress, t0, signer))
         except BaseException:
             self._count("pulls_failed")
             raise
@@ -393,8 +429,9 @@ class Remote:
         return done
 
     def _materialize(self, ref: Reference, client: RegistryClient, manifest: Manifest, oci_digest: str,
-                     progress: ProgressFn, t0: float) -> Transfer:
-        """Downloads the missing layers into staging and commits."""
+                     progress: ProgressFn, t0: float, signer: str = "") -> Transfer:
+        """Downloads the missing layers into staging and commits, recorded as
+        published by the daemon (from ``ref``, verified by ``signer``)."""
         key, store = manifest.key, self.store
         reference = f"{ref.host}/{ref.repository}@{oci_digest}"
         pull_id = "pull-" + uuid.uuid4().hex[:16]
@@ -445,7 +482,8 @@ class Remote:
                     raise DataLoss(f"{reference}: the pulled artifact fails verification ({'; '.join(problems[:3])}); "
                                    "nothing was published")
             staged = durable.Staged(key, artifact, paths, _synced)
-            text = durable.publish(store, staged, manifest, moved)
+            text = durable.publish(store, staged, manifest, moved,
+                                   publisher=pulled(pull_id, source=reference, signer=signer))
         except OSError as exc:
             raise os_error(exc, f"pull {pull_id} of {key[:12]}") from None
         finally:
@@ -457,7 +495,8 @@ class Remote:
         seconds = time.monotonic() - t0
         log.info("pulled %s from %s: %d of %d layers, %d bytes in %.2f s", key[:12], reference, len(fetch),
                  len(manifest.files), total, seconds)
-        return Transfer(key, reference, oci_digest, total, len(fetch), len(manifest.files) - len(fetch), seconds)
+        return Transfer(key, reference, oci_digest, total, len(fetch), len(manifest.files) - len(fetch), seconds,
+                        signer=signer)
 
 
 def _config_text(manifest: Manifest) -> bytes:

@@ -48,7 +48,8 @@ def pull_on_miss(c: Components, request: pb.PullOnMissRequest,
 def done_pb(t: Transfer) -> pb.TransferDone:
     return pb.TransferDone(key=t.key, reference=t.reference, manifest_digest=t.manifest_digest,
                            bytes_transferred=t.bytes_transferred, layers_transferred=t.layers_transferred,
-                           layers_skipped=t.layers_skipped, seconds=t.seconds, already_present=t.already_present)
+                           layers_skipped=t.layers_skipped, seconds=t.seconds, already_present=t.already_present,
+                           signature_digest=t.signature_digest, signer=t.signer)
 
 
 def _stream(work: Callable[[ProgressFn], Transfer], context: grpc.ServicerContext) -> Iterator[pb.TransferEvent]:

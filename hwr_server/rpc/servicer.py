@@ -26,7 +26,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.core.errors import HwrError, InvalidArgument, PermissionDenied, Unavailable, status_code_of
+from hwr_client.core.errors import (
+    REASON_METADATA, HwrError, InvalidArgument, PermissionDenied, Unavailable, status_code_of,
+)
 from hwr_server.access import peers
 from hwr_server.access.admission import StreamAdmission
 from hwr_server.rpc import gc as rpc_gc
@@ -117,6 +119,9 @@ class _TolerantServer:
 def _abort(context: grpc.ServicerContext, rpc: str, exc: BaseException) -> None:
     if isinstance(exc, HwrError):
         log.info("%s failed: %s: %s", rpc, type(exc).__name__, exc)
+        if exc.reason:
+            # The client turns it back into the same subclass (from_rpc_error).
+            context.set_trailing_metadata(((REASON_METADATA, exc.reason),))
         context.abort(status_code_of(exc), str(exc))
     log.exception("%s failed with an unexpected error", rpc)
     context.abort(grpc.StatusCode.INTERNAL, f"{rpc}: internal error: {type(exc).__name__}: {exc}")

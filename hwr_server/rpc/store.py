@@ -19,7 +19,7 @@ from hwr_client.core.identity import check_key
 from hwr_server.access.peers import peer_of
 from hwr_server.publish.limits import RequestPump
 from hwr_server.publish.publication import Publication
-from hwr_server.rpc.leases import lease_info_pb
+from hwr_server.rpc.leases import lease_info_pb, trusted_publisher
 from hwr_server.store.records import ArtifactSummary, summary_of
 
 if TYPE_CHECKING:
@@ -77,8 +77,11 @@ def publish(c: Components, requests: Iterator[pb.PublishRequest], context: grpc.
 
 
 def lookup(c: Components, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
-    """The stored manifest of a published key (NotFound / FailedPrecondition otherwise)."""
-    return pb.LookupReply(manifest_json=c.store.manifest_json(check_key(request.key)))
+    """The stored manifest of a published key whose publisher the caller
+    trusts (NotFound / FailedPrecondition / UntrustedPublisher otherwise)."""
+    key = check_key(request.key)
+    publisher = trusted_publisher(c, key, context)
+    return pb.LookupReply(manifest_json=c.store.manifest_json(key), publisher=publisher.to_proto())
 
 
 def report_corruption(c: Components, request: pb.ReportCorruptionRequest, context: grpc.ServicerContext
@@ -100,15 +103,17 @@ def report_corruption(c: Components, request: pb.ReportCorruptionRequest, contex
 
 
 def _summary_proto(c: Components, s: ArtifactSummary) -> pb.ArtifactSummary:
-    count, last = 0, 0
+    count, last, publisher = 0, 0, None
     if s.state == "published":
         count = len(c.leases.holders(s.key))
         last = int(c.leases.last_leased(s.key))
+        pub = c.store.publisher(s.key)
+        publisher = pub.to_proto() if pub is not None else None
     return pb.ArtifactSummary(
         key=s.key, state=s.state, contract_name=s.contract_name, contract_version=s.contract_version,
         producer_id=s.producer_id, producer_version=s.producer_version, size_bytes=s.size_bytes,
         file_count=s.file_count, tensor_count=s.tensor_count, block_count=s.block_count, created_unix=s.created_unix,
-        lease_count=count, last_leased_unix=last, reason=s.reason,
+        lease_count=count, last_leased_unix=last, reason=s.reason, publisher=publisher,
     )
 
 

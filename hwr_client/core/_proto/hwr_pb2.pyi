@@ -127,10 +127,34 @@ class LookupRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class LookupReply(_message.Message):
-    __slots__ = ("manifest_json",)
+    __slots__ = ("manifest_json", "publisher")
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_FIELD_NUMBER: _ClassVar[int]
     manifest_json: str
-    def __init__(self, manifest_json: _Optional[str] = ...) -> None: ...
+    publisher: Publisher
+    def __init__(self, manifest_json: _Optional[str] = ..., publisher: _Optional[_Union[Publisher, _Mapping]] = ...) -> None: ...
+
+class Publisher(_message.Message):
+    __slots__ = ("via", "uid", "uid_known", "pid", "program", "published_unix", "source", "signer", "text")
+    VIA_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    UID_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    via: str
+    uid: int
+    uid_known: bool
+    pid: int
+    program: str
+    published_unix: int
+    source: str
+    signer: str
+    text: str
+    def __init__(self, via: _Optional[str] = ..., uid: _Optional[int] = ..., uid_known: _Optional[bool] = ..., pid: _Optional[int] = ..., program: _Optional[str] = ..., published_unix: _Optional[int] = ..., source: _Optional[str] = ..., signer: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "keepalive")
@@ -189,14 +213,16 @@ class AcquireLeaseRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
 
 class AcquireLeaseReply(_message.Message):
-    __slots__ = ("lease_id", "manifest_json", "blob_paths")
+    __slots__ = ("lease_id", "manifest_json", "blob_paths", "publisher")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     BLOB_PATHS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     manifest_json: str
     blob_paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_id: _Optional[str] = ..., manifest_json: _Optional[str] = ..., blob_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    publisher: Publisher
+    def __init__(self, lease_id: _Optional[str] = ..., manifest_json: _Optional[str] = ..., blob_paths: _Optional[_Iterable[str]] = ..., publisher: _Optional[_Union[Publisher, _Mapping]] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_id")
@@ -317,7 +343,7 @@ class SourceDigest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., content_id: _Optional[str] = ..., size: _Optional[int] = ..., cached: _Optional[bool] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class ArtifactSummary(_message.Message):
-    __slots__ = ("key", "state", "contract_name", "contract_version", "producer_id", "producer_version", "size_bytes", "file_count", "tensor_count", "block_count", "created_unix", "lease_count", "last_leased_unix", "reason")
+    __slots__ = ("key", "state", "contract_name", "contract_version", "producer_id", "producer_version", "size_bytes", "file_count", "tensor_count", "block_count", "created_unix", "lease_count", "last_leased_unix", "reason", "publisher")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +358,7 @@ class ArtifactSummary(_message.Message):
     LEASE_COUNT_FIELD_NUMBER: _ClassVar[int]
     LAST_LEASED_UNIX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_FIELD_NUMBER: _ClassVar[int]
     key: str
     state: str
     contract_name: str
@@ -346,7 +373,8 @@ class ArtifactSummary(_message.Message):
     lease_count: int
     last_leased_unix: int
     reason: str
-    def __init__(self, key: _Optional[str] = ..., state: _Optional[str] = ..., contract_name: _Optional[str] = ..., contract_version: _Optional[int] = ..., producer_id: _Optional[str] = ..., producer_version: _Optional[str] = ..., size_bytes: _Optional[int] = ..., file_count: _Optional[int] = ..., tensor_count: _Optional[int] = ..., block_count: _Optional[int] = ..., created_unix: _Optional[int] = ..., lease_count: _Optional[int] = ..., last_leased_unix: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    publisher: Publisher
+    def __init__(self, key: _Optional[str] = ..., state: _Optional[str] = ..., contract_name: _Optional[str] = ..., contract_version: _Optional[int] = ..., producer_id: _Optional[str] = ..., producer_version: _Optional[str] = ..., size_bytes: _Optional[int] = ..., file_count: _Optional[int] = ..., tensor_count: _Optional[int] = ..., block_count: _Optional[int] = ..., created_unix: _Optional[int] = ..., lease_count: _Optional[int] = ..., last_leased_unix: _Optional[int] = ..., reason: _Optional[str] = ..., publisher: _Optional[_Union[Publisher, _Mapping]] = ...) -> None: ...
 
 class ListArtifactsRequest(_message.Message):
     __slots__ = ()
@@ -565,7 +593,7 @@ class TransferProgress(_message.Message):
     def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., layers_done: _Optional[int] = ..., layers_total: _Optional[int] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("key", "reference", "manifest_digest", "bytes_transferred", "layers_transferred", "layers_skipped", "seconds", "already_present")
+    __slots__ = ("key", "reference", "manifest_digest", "bytes_transferred", "layers_transferred", "layers_skipped", "seconds", "already_present", "signature_digest", "signer")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -574,6 +602,8 @@ class TransferDone(_message.Message):
     LAYERS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_FIELD_NUMBER: _ClassVar[int]
     key: str
     reference: str
     manifest_digest: str
@@ -582,4 +612,6 @@ class TransferDone(_message.Message):
     layers_skipped: int
     seconds: float
     already_present: bool
-    def __init__(self, key: _Optional[str] = ..., reference: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., bytes_transferred: _Optional[int] = ..., layers_transferred: _Optional[int] = ..., layers_skipped: _Optional[int] = ..., seconds: _Optional[float] = ..., already_present: _Optional[bool] = ...) -> None: ...
+    signature_digest: str
+    signer: str
+    def __init__(self, key: _Optional[str] = ..., reference: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., bytes_transferred: _Optional[int] = ..., layers_transferred: _Optional[int] = ..., layers_skipped: _Optional[int] = ..., seconds: _Optional[float] = ..., already_present: _Optional[bool] = ..., signature_digest: _Optional[str] = ..., signer: _Optional[str] = ...) -> None: ...
