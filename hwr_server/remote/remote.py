@@ -82,7 +82,6 @@ from hwr_server.remote.records import Counter, Flight, Progress, ProgressFn, Tra
 from hwr_server.remote.registry import Reference, RegistryClient, client_for, parse_origin, parse_reference
 from hwr_server.remote.transfer import LayerPolicy, download_layer, link_stored, run_all
 from hwr_server.store import commit as durable
-from hwr_server.store.capacity import ArrivalAdmission
 from hwr_server.store.recovery import verify_artifact
 from hwr_server.store.staging_io import os_error
 
@@ -421,7 +420,8 @@ class Remote:
         blob whose bytes hash to its name is hard-linked (a corrupt one, or
         one a verify marked bad, is downloaded again), the rest downloaded
         ``parallel_layers`` at a time. Capacity: a dry run for the bytes to
-        fetch, then admitted as they arrive (:mod:`hwr_server.store.capacity`).
+        fetch, then admitted as they arrive, a preallocation step per layer
+        at a time (:class:`~hwr_server.remote.transfer.LayerPolicy`).
 
         Returns:
             The file entries downloaded (one per distinct blob).
@@ -437,8 +437,11 @@ class Remote:
         # nothing; room is made as the bytes arrive (a registry that claims
         # sizes and sends nothing costs no other artifact).
         store.capacity_hook(to_fetch, evict=False, who=who)
-        admission = ArrivalAdmission(store.capacity_hook, to_fetch, who=who)
-        policy = LayerPolicy(rem.layer_attempts, rem.min_rate_bytes, rem.timeout_s, admission.admit)
+
+        def admit(nbytes: int) -> None:
+            store.capacity_hook(nbytes, evict=True, who=who)
+
+        policy = LayerPolicy(rem.layer_attempts, rem.min_rate_bytes, rem.timeout_s, admit)
         counter = Counter(to_fetch, sum(1 for *_, stored in first.values() if not stored), progress)
         stop = threading.Event()
         fetched: list[Any] = []

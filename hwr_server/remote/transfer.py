@@ -32,9 +32,10 @@ class Counts(Protocol):
     def add(self, nbytes: int = 0, layers: int = 0) -> None: ...
 
 
-#: Disk space reserved ahead of a download's bytes, in steps of this many
-#: bytes (never the registry's claimed size at once).
-PREALLOCATE_BYTES = 16 * 1024 * 1024
+#: Disk space admitted (capacity) and preallocated ahead of a download's
+#: bytes, in steps of this many bytes per layer (never the registry's
+#: claimed size at once).
+PREALLOCATE_BYTES = 8 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +47,8 @@ class LayerPolicy:
         min_rate: bytes per second a layer must keep up over each window
             (``[remote] min_rate_bytes``; 0 = no minimum).
         window_s: that window, seconds (``[remote] timeout_s``).
-        admit: called with the bytes about to be written, before they are
-            (:class:`hwr_server.store.capacity.ArrivalAdmission`).
+        admit: called with each step of bytes about to be preallocated,
+            before it is (the store's capacity hook, collecting if it must).
     """
 
     attempts: int
@@ -97,25 +98,26 @@ def _hashes_to(fd: int, size: int, hexdigest: str) -> bool:
 
 
 class _Layer:
-    """One layer's file in staging: what was written, allocated and admitted."""
+    """One layer's file in staging: what was written and allocated."""
 
     def __init__(self, fd: int, size: int, policy: LayerPolicy):
         self.fd, self.size, self.policy = fd, size, policy
         self.written = 0
-        self.allocated = 0
-        self.high = 0  # the most bytes this file ever held: a restart re-admits nothing
+        self.allocated = 0  # admitted and preallocated; a restart keeps it (nothing admitted twice)
         self.h = hashlib.sha256()
 
     def write(self, chunk: bytes) -> None:
         end = self.written + len(chunk)
-        if end > self.high:
-            self.policy.admit(end - self.high)
-            self.high = end
         if end > self.allocated:
-            # Preallocated step by step as bytes arrive: a full disk still
-            # fails early in its step, and a registry that claims 900 MiB
-            # and trickles holds one step of disk, not the claim.
+            # A step at a time, as bytes arrive: room is made (capacity, and
+            # collection if it must) for bytes that came, then preallocated,
+            # so a full disk still fails early in its step, and a registry
+            # that claims 900 MiB and trickles holds one step, not the claim.
+            # Admitted exactly what is preallocated: the store counts the
+            # allocated staging bytes, and counting them twice would evict
+            # for bytes that never need room.
             n = min(max(PREALLOCATE_BYTES, end - self.allocated), self.size - self.allocated)
+            self.policy.admit(n)
             os.posix_fallocate(self.fd, self.allocated, n)
             self.allocated += n
         pwrite_all(self.fd, chunk, self.written)

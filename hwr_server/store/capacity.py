@@ -9,13 +9,17 @@ twice over:
 
 1. at the start, a dry run for the whole claimed total (``evict=False``):
    what can never fit is refused before anything is staged or fetched;
-2. then :meth:`ArrivalAdmission.admit` as bytes arrive, each step with
-   ``evict=True``: the collector makes room for that step only (see
+2. then, as bytes arrive, one step at a time with ``evict=True``: the
+   collector makes room for that step only (see
    :meth:`hwr_server.gc.collector.Collector.capacity_hook`).
 
-A step is at least :data:`MIN_STEP_BYTES` and 1/:data:`STEPS` of the total,
-so a transfer calls the hook (a snapshot of the store) at most ~``STEPS``
-times, and an attacker's one chunk makes room for one step at most.
+A publication admits with :class:`ArrivalAdmission`: a step is at least
+:data:`MIN_STEP_BYTES` and 1/:data:`STEPS` of the total, so it calls the
+hook (a snapshot of the store) at most ~``STEPS`` times, and an attacker's
+one chunk makes room for one step at most. A pull admits each layer's
+preallocation step as it preallocates it
+(:class:`hwr_server.remote.transfer.LayerPolicy`): the store counts
+allocated staging bytes, so admission and allocation go together.
 """
 
 from __future__ import annotations
