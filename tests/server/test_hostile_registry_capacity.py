@@ -48,12 +48,14 @@ def test_claimed_sizes_evict_nothing(make_daemon_fixture, tmp_path, source, host
     key, config, blobs = source.artifact("claims", _mib(40, 9))
     hostile.add(REPO, config, blobs)
     node, kept = _full_node(make_daemon_fixture, tmp_path, hostile.host)
-    hostile.send_only = 100  # every GET of the layer: 100 bytes, then the connection closes
+    (layer,) = blobs
+    hostile.short = {layer: 100}  # every GET of the layer: 100 bytes, then the connection closes
     with pytest.raises(Unavailable, match="truncated|broke off"):
         pull(node, f"{hostile.host}/{REPO}:{key}")
+    assert [h.body_bytes for h in hostile.take() if h.path.endswith(layer)] == [100, 100]  # both attempts
     assert _keys(node) == kept
     # Served whole: one unleased artifact goes, as much as the 40 MiB need.
-    hostile.send_only = None
+    hostile.short = {}
     assert pull(node, f"{hostile.host}/{REPO}:{key}").key == key
     left = _keys(node)
     assert key in left and len(left & kept) == 2, left

@@ -22,9 +22,10 @@ status, body bytes written), and each attribute below turns one attack on:
   of every request is;
 * ``ignore_range``: a ``Range`` request is answered 200 with the whole blob;
 * ``cut``: ``{hex: n}``: the next GET of that blob ends after n bytes (the
-  connection closed), once; ``send_only``: every blob GET ends after that
-  many bytes, its Content-Length still the whole (lying sizes);
-* ``hang``: an Event; every request waits on it before answering.
+  connection closed), once; ``short``: ``{hex: n}``: every GET of that blob
+  ends after n bytes, its Content-Length still the whole (lying sizes);
+* ``hang``: an Event; every request waits on it before answering
+  (``arrived`` is set when one does; ``waiting`` counts them).
 
 Artifacts are added with :meth:`HostileRegistry.add` (a config and blobs:
 any config, also a forged one), usually from a daemon's store with
@@ -90,8 +91,10 @@ class HostileRegistry:
         self.head_trickle_s = 0.0
         self.ignore_range = False
         self.cut: dict[str, int] = {}
-        self.send_only: int | None = None
+        self.short: dict[str, int] = {}
         self.hang: threading.Event | None = None
+        self.arrived = threading.Event()
+        self.waiting = 0
         #: Set when a blob body starts to trickle.
         self.trickling = threading.Event()
         self._lock = threading.Lock()
@@ -232,6 +235,9 @@ def _handler(reg: HostileRegistry):
 
         def _answer(self) -> None:
             if reg.hang is not None:
+                with reg._lock:
+                    reg.waiting += 1
+                reg.arrived.set()
                 reg.hang.wait(300)
             url = urllib.parse.urlsplit(self.path)
             if url.path.startswith("/token"):
@@ -274,8 +280,8 @@ def _handler(reg: HostileRegistry):
             if self.command == "HEAD":
                 return self._hit(status, 0)
             limit = reg.cut.pop(hexd, None) if self.command == "GET" else None
-            if reg.send_only is not None:
-                limit = reg.send_only if limit is None else min(limit, reg.send_only)
+            if hexd in reg.short:
+                limit = reg.short[hexd] if limit is None else min(limit, reg.short[hexd])
             if limit is not None:
                 body = body[:limit]
                 self.close_connection = True
