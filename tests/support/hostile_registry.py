@@ -111,13 +111,15 @@ class HostileRegistry:
     def host(self) -> str:
         return f"127.0.0.1:{self.server.server_address[1]}"
 
-    def add(self, repository: str, config: bytes, blobs: dict[str, bytes], *, tag: str = "") -> str:
+    def add(self, repository: str, config: bytes, blobs: dict[str, bytes], *, tag: str = "",
+            manifest: Manifest | None = None) -> str:
         """Serves an artifact: its OCI manifest under ``tag`` (default: the
         config's key) and its digest, the config and the blobs. Returns the
-        manifest digest."""
-        doc = json.loads(config)
+        manifest digest. ``manifest``: the config parsed (spares parsing a
+        huge one again)."""
+        doc = json.loads(config) if manifest is None else {"key": manifest.key}
         try:
-            oci = build_oci_manifest(Manifest.from_json(config), config)
+            oci = build_oci_manifest(manifest or Manifest.from_json(config), config)
         except Exception:  # noqa: BLE001 - a forged config: describe its files as they claim
             oci = json.dumps({
                 "schemaVersion": 2, "mediaType": MANIFEST_MEDIA_TYPE, "artifactType": "application/vnd.hwr.artifact.v1",
