@@ -259,7 +259,7 @@ class Remote:
         ref = parse_reference(reference)
         if not ref.reference:
             raise InvalidArgument(f"pull {reference}: give a tag (the identity key) or @sha256:<digest>")
-        return self._pull_ref(ref, progress, key="")
+        return self._fetch_and_commit(ref, progress, time.monotonic(), "")
 
     def pull_missing(self, key: str, progress: ProgressFn = lambda p: None, *, owner: str = "") -> Transfer:
         """Pull on a miss, waiting for the outcome (:meth:`start_pull_missing`).
@@ -317,9 +317,6 @@ class Remote:
                 del self._flights[key]
             self._gate.leave(owner, key, error)
             flight.done.set()
-
-    def _pull_ref(self, ref: Reference, progress: ProgressFn, *, key: str) -> Transfer:
-        return self._fetch_and_commit(ref, progress, time.monotonic(), key)
 
     def _flight(self, key: str, progress: ProgressFn, work: Callable[[ProgressFn], Transfer]) -> Transfer:
         with self._lock:
