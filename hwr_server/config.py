@@ -75,6 +75,25 @@ class RemoteConfig:
     #: stores nothing. Empty (default): pulls are not checked for
     #: signatures; the configured registry is trusted (README "Trust").
     trusted_keys: list[str] = dataclasses.field(default_factory=list)
+    #: Pulls on a miss in flight on the node at once (distinct keys; callers
+    #: of a key in flight join it). More: RESOURCE_EXHAUSTED at once. Count.
+    max_pulls: int = 4
+    #: Pulls on a miss one user (uid; all callers without a peer token
+    #: together) may have started and still in flight. Count.
+    max_pulls_per_peer: int = 2
+    #: A pull on a miss that failed (not found, refused, unreachable) is
+    #: answered from memory for this long instead of asking the registry
+    #: again. Seconds; 0 = never cached.
+    miss_cache_s: float = 30.0
+    #: A layer download must keep up this many bytes per second over each
+    #: ``timeout_s`` window, or it is cut (UNAVAILABLE; a retry resumes).
+    #: Bytes per second; 0 = no minimum.
+    min_rate_bytes: int = 64 * 1024
+    #: Origins (``https://auth.example[:port]``) besides the registry itself
+    #: whose Bearer realm may issue its tokens (Docker Hub:
+    #: ``https://auth.docker.io``). A realm elsewhere is refused: the daemon
+    #: never fetches a URL a registry names, nor sends credentials there.
+    token_realms: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_mapping(cls, doc: Any, *, what: str) -> "RemoteConfig":
@@ -294,6 +313,10 @@ class ServerConfig:
             raise InvalidArgument(f"config: [remote] verify_pull {rem.verify_pull!r}: expected 'file' or 'full'")
         if rem.parallel_layers < 1 or rem.layer_attempts < 1:
             raise InvalidArgument("config: [remote] parallel_layers and layer_attempts must be at least 1")
+        if rem.max_pulls < 1 or rem.max_pulls_per_peer < 1:
+            raise InvalidArgument("config: [remote] max_pulls and max_pulls_per_peer must be at least 1")
+        if rem.miss_cache_s < 0 or rem.min_rate_bytes < 0:
+            raise InvalidArgument("config: [remote] miss_cache_s and min_rate_bytes must not be negative")
         return self
 
     @classmethod

@@ -36,13 +36,15 @@ from hwr_server.access.publisher import Publisher
 
 
 class CapacityHook(Protocol):
-    """Called with a publication's payload bytes before they are reserved;
-    raises ResourceExhausted when they cannot fit.
+    """Called with a publication's or a pull's payload bytes before they
+    are written; raises ResourceExhausted when they cannot fit.
 
-    ``evict=False`` (at plan) is a dry run: it refuses what cannot fit even
-    after collecting, and deletes nothing. ``evict=True`` (at the first
-    payload chunk) may collect unleased artifacts to make room. ``who``
-    names the publication and its peer in the log of what was collected.
+    ``evict=False`` (at plan, for the whole claim) is a dry run: it refuses
+    what cannot fit even after collecting, and deletes nothing.
+    ``evict=True`` (for each step of bytes as they arrive,
+    :mod:`hwr_server.store.capacity`) may collect unleased artifacts to make
+    room for that step. ``who`` names the transfer and its peer in the log
+    of what was collected and in a refusal.
     """
 
     def __call__(self, nbytes: int, *, evict: bool = True, who: str = "") -> None: ...

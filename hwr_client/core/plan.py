@@ -301,6 +301,50 @@ def check_plan_sizes(checked: CheckedPlan, limits: PlanLimits) -> None:
         raise _exhausted("manifest bytes", size, limits.max_manifest_bytes, "max_manifest_bytes")
 
 
+def check_manifest_limits(manifest: Manifest, limits: PlanLimits, *, what: str, manifest_bytes: int) -> None:
+    """The plan limits and label checks applied to a manifest that did not
+    come through a plan (a pull): an artifact this node could not have
+    published is not taken from a registry either (it could not be served:
+    a Lookup of its manifest, a header the parser refuses).
+
+    Args:
+        manifest: the parsed manifest.
+        limits: the daemon's plan limits.
+        what: names it in errors (``registry/repo:tag``).
+        manifest_bytes: the size of its JSON as received.
+
+    Raises:
+        ResourceExhausted: files, tensors, blocks, a header or the manifest
+            over their limits (naming the ServerConfig field).
+        InvalidArgument: a NUL in a file label or block prefix, a tensor name
+            or prefix too long, too many dimensions.
+    """
+    def over(thing: str, value: int, limit: int, field: str) -> ResourceExhausted:
+        return ResourceExhausted(f"{what}: {thing} {value} exceeds the limit {limit} (ServerConfig.{field}); "
+                                 "this node would not publish it, so it does not pull it either")
+
+    counts = (("files", len(manifest.files), limits.max_artifact_files, "max_artifact_files"),
+              ("tensors", len(manifest.tensors), limits.max_artifact_tensors, "max_artifact_tensors"),
+              ("blocks", len(manifest.blocks), limits.max_artifact_tensors, "max_artifact_tensors"),
+              ("manifest bytes", manifest_bytes, limits.max_manifest_bytes, "max_manifest_bytes"))
+    for thing, value, limit, field in counts:
+        if value > limit:
+            raise over(thing, value, limit, field)
+    header_limit = min(limits.max_header_bytes, MAX_HEADER_BYTES)
+    for f in manifest.files:
+        check_label_text(f.name, f"{what}: files[{f.index}].name")
+        if f.data_start - 8 > header_limit:  # 8: the header's length prefix
+            raise over(f"file {f.index} header bytes", f.data_start - 8, header_limit, "max_header_bytes")
+    for t in manifest.tensors:
+        _check_name_bytes(t.name, f"{what}: tensor", limits)
+        if len(t.shape) > limits.max_tensor_dims:
+            raise InvalidArgument(f"{what}: tensor {t.name!r} has {len(t.shape)} dimensions; at most "
+                                  f"{limits.max_tensor_dims} (ServerConfig.max_tensor_dims)")
+    for b in manifest.blocks:
+        check_label_text(b.prefix, f"{what}: blocks[{b.index}].prefix")
+        _check_name_bytes(b.prefix, f"{what}: block prefix", limits)
+
+
 def to_proto(plan: PlanSpec) -> pb.PublishPlan:
     """The wire form of ``plan`` (:func:`from_proto` reads it back)."""
     return pb.PublishPlan(

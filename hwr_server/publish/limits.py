@@ -11,7 +11,7 @@ import threading
 from typing import Any, Iterator
 
 from hwr_client.core.defaults import MAX_MESSAGE_BYTES
-from hwr_client.core.errors import Aborted
+from hwr_client.core.errors import Aborted, InvalidArgument
 from hwr_client.core.layout import MAX_HEADER_BYTES
 from hwr_client.core.plan import PlanLimits
 
@@ -21,6 +21,7 @@ from hwr_client.core.plan import PlanLimits
 MANIFEST_CEILING_BYTES = MAX_MESSAGE_BYTES * 3 // 4
 #: The largest tensor name the format allows (layout.check_tensor_name).
 NAME_CEILING_BYTES = 1024
+HEX_DIGITS = "0123456789abcdef"
 
 
 
@@ -104,3 +105,19 @@ class RequestPump:
     def close(self) -> None:
         """Tells the reader to stop handing over; it exits when the call ends."""
         self._stop.set()
+
+
+def declared_tensors(msg: Any) -> dict[str, str]:
+    """The plan's declared tensor digests by name (checked at commit).
+
+    Raises:
+        InvalidArgument: a declared digest that is not 64 lowercase hex.
+    """
+    out = {}
+    for f in msg.files:
+        for t in f.tensors:
+            if t.declared_sha256:
+                if len(t.declared_sha256) != 64 or any(c not in HEX_DIGITS for c in t.declared_sha256):
+                    raise InvalidArgument(f"publication plan: tensor {t.name!r} declared_sha256 must be 64 lowercase hex")
+                out[t.name] = t.declared_sha256
+    return out

@@ -27,13 +27,15 @@ a publication that receives nothing for ``publication_idle_s`` ends ABORTED
 a plan of many files holds few descriptors; running out of descriptors is
 RESOURCE_EXHAUSTED.
 
-What a publication may evict: nothing
-before its first payload chunk. At plan the capacity check is a dry run: a
-plan that cannot fit even after collecting is refused at once, one that
-fits only after collecting is accepted and nothing is deleted yet; its
-space is preallocated, after the collection it needs, when its first chunk
-arrives, so a plan cancelled or left idle costs no other artifact. The
-collector logs every such collection with the peer and the publication.
+What a publication may evict: only room for payload bytes that arrived.
+At plan the capacity check is a dry run: a plan that cannot fit even after
+collecting is refused at once, one that fits only after collecting is
+accepted and nothing is deleted yet. Then each valid chunk is admitted
+before it is written (:class:`~hwr_server.store.capacity.ArrivalAdmission`),
+a step of at least 4 MiB and 1/64 of the plan at a time, and the collector
+deletes only what that step needs; so a plan cancelled or left idle costs
+no other artifact, and one chunk of a large plan costs at most one step.
+The collector logs every such collection with the peer and the publication.
 
 The hashers live in :mod:`hwr_server.store.hashing` (deep verification uses them too).
 """
@@ -56,14 +58,14 @@ from hwr_client.core.plan import CheckedPlan, build_manifest, check_plan, check_
 from hwr_server.access.files import Untrusted, open_stored
 from hwr_server.access.peers import ANONYMOUS, Peer
 from hwr_server.access.publisher import published_by
-from hwr_server.publish.limits import plan_limits
+from hwr_server.publish.limits import declared_tensors, plan_limits
 from hwr_server.store import commit as durable
+from hwr_server.store.capacity import ArrivalAdmission
 from hwr_server.store.hashing import WholeHasher, _Stage, parts_from_plan, readback, set_native_thread_name
 from hwr_server.store.staging_io import Coverage, fsync_close, os_error, pwrite_all
 
 log = logging.getLogger(__name__)
 
-_HEX_DIGITS = "0123456789abcdef"
 #: Payload files a publication keeps open at once (unordered mode: the most
 #: recently written; ordered mode needs one). More are reopened by path, so a
 #: plan of a thousand files never holds a thousand descriptors.
@@ -106,7 +108,7 @@ class Publication:
         self._peer_slot = False
         self._reserved = 0  # bytes counted in the peer's reservation
         self._claimed = False
-        self._allocated = False  # files preallocated (at the first chunk)
+        self._admission: ArrivalAdmission | None = None  # capacity, from the first chunk on
         self._done = False
         self._counted = False
         self._open_fds: collections.OrderedDict[int, int] = collections.OrderedDict()  # file -> fd, LRU order
@@ -152,7 +154,7 @@ class Publication:
             check_plan_message(msg, limits)
             checked = check_plan(from_proto(msg))
             check_plan_sizes(checked, limits)
-            declared = _declared_tensors(msg)
+            declared = declared_tensors(msg)
         except HwrError:
             store.count("rejected")
             raise
@@ -226,20 +228,15 @@ class Publication:
         st = os.statvfs(self.store.root)
         return st.f_blocks * st.f_frsize // 2
 
-    def _allocate(self) -> None:
-        """At the first payload chunk (or a commit without one): collects
-        what capacity needs, then preallocates every file, so a full disk
-        fails here, before the payload is written, and an idle or cancelled
-        plan never cost space or another artifact."""
-        if self._allocated:
+    def _start_payload(self) -> None:
+        """At the first chunk (or a commit without one): the admission of the
+        bytes as they arrive, and the ordered-mode hashers. Nothing is
+        preallocated: room is made for the bytes that came, never for the
+        plan's claim (:mod:`hwr_server.store.capacity`); a full disk is the
+        filesystem's ENOSPC at pwrite (RESOURCE_EXHAUSTED)."""
+        if self._admission is not None:
             return
-        self._allocated = True
-        self.store.capacity_hook(self.checked.total_bytes, evict=True, who=self._what())
-        for i, lay in enumerate(self.checked.layouts):
-            try:
-                os.posix_fallocate(self._fd(i), 0, lay.file_size)
-            except OSError as exc:
-                raise os_error(exc, f"{self._what()} file {i}") from None
+        self._admission = ArrivalAdmission(self.store.capacity_hook, self.checked.total_bytes, who=self._what())
         if self.checked.plan.ordered:
             self._stages = [
                 _Stage(lambda it: self._whole[it[0]].update(it[1]), f"hwr-sha-file-{self.pub_id[:6]}"),
@@ -282,7 +279,7 @@ class Publication:
     # -- chunks -----------------------------------------------------------------
 
     def write(self, file_index: int, offset: int, data: bytes) -> None:
-        """Writes one chunk (the first collects and preallocates, see _allocate).
+        """Writes one chunk, after the capacity its bytes need (see _start_payload).
 
         Raises:
             InvalidArgument: bad index/offset/size, out of order, overlap.
@@ -303,13 +300,17 @@ class Publication:
             )
         if self.checked.plan.ordered:
             self._check_order(file_index, offset, what)
-            self._allocate()
+            self._admit(len(data))
             self._write_ordered(file_index, offset, data, what)
         else:
             self._coverage[file_index].add(offset, offset + len(data), what)
-            self._allocate()
+            self._admit(len(data))
             self._pwrite(file_index, offset, data, what)
         self.bytes_written += len(data)
+
+    def _admit(self, nbytes: int) -> None:
+        self._start_payload()  # capacity for a valid chunk's bytes, before they are written
+        self._admission.admit(nbytes)  # type: ignore[union-attr]
 
     def _check_order(self, fi: int, offset: int, what: str) -> None:
         while self._cur < self.n_files - 1 and self._pos == self.checked.layouts[self._cur].data_size:
@@ -371,7 +372,7 @@ class Publication:
                 ) from None
             return Committed(self.key, manifest_json, 0, True)
         self._check_complete()
-        self._allocate()  # a plan whose files hold no data bytes gets no chunk
+        self._start_payload()  # a plan whose files hold no data bytes gets no chunk
         # Every digest (the payload fsyncs are the commit's first step).
         digests = self._digests_ordered() if self.checked.plan.ordered else self._digests_readback()
         file_digests, tensor_digests, block_xxh = digests
@@ -535,15 +536,3 @@ class Publication:
             self._counted = True
             self.store.count("failed", nbytes=0, seconds=time.monotonic() - self.started)
             log.info("publication %s of %s ended without commit; staging removed", self.pub_id, self.key[:12])
-
-
-def _declared_tensors(msg: pb.PublishPlan) -> dict[str, str]:
-    out = {}
-    for f in msg.files:
-        for t in f.tensors:
-            if t.declared_sha256:
-                if len(t.declared_sha256) != 64 or any(c not in _HEX_DIGITS for c in t.declared_sha256):
-                    raise InvalidArgument(f"publication plan: tensor {t.name!r} declared_sha256 must be 64 lowercase hex")
-                out[t.name] = t.declared_sha256
-    return out
-

@@ -43,6 +43,7 @@ from typing import Callable
 
 from hwr_client.core.errors import InvalidArgument
 from hwr_server.config import ServerConfig
+from hwr_server.logtext import untrusted
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class RegistrationAdmission:
         for r in newly:
             log.warning("registration %s… (pid %d, %s): chunk %d has run for more than %.1f s "
                         "(registration_chunk_timeout_s); admitting no new registrations until it completes",
-                        r.rid[:6], r.pid, r.label or "unlabelled", r.chunks, self.chunk_timeout_s)
+                        r.rid[:6], r.pid, untrusted(r.label or "unlabelled"), r.chunks, self.chunk_timeout_s)
         return stalled
 
     def _stalled_locked(self) -> _Registration | None:
@@ -249,8 +250,8 @@ class RegistrationAdmission:
             self.release(session_id, reg.rid, reason="session ended during admission")
             return self._refuse(SESSION, "the session ended during admission; open a new one")
         log.info("registration %s… admitted: pid %d (%s) %s, %.2f GiB in chunks of %.2f GiB; %.2f of %.2f GiB "
-                 "admitted on the node", reg.rid[:6], pid, client_name, label or "unlabelled", nbytes / _GIB,
-                 self.chunk_bytes / _GIB, node_admitted / _GIB, self.budget / _GIB)
+                 "admitted on the node", reg.rid[:6], pid, untrusted(client_name), untrusted(label or "unlabelled"),
+                 nbytes / _GIB, self.chunk_bytes / _GIB, node_admitted / _GIB, self.budget / _GIB)
         return Admission(True, reg.rid, self.chunk_bytes)
 
     def _refuse(self, reason: str, detail: str) -> Admission:

@@ -10,7 +10,8 @@ validate the request, call the component, and build the reply; they raise
 The same two servicer classes serve both sockets; on the runtime socket
 (``admin=False``) the mutating admin calls answer PERMISSION_DENIED.
 
-Every client stream (Session, Publish) passes the socket's
+Every client stream (Session, Publish), and PullOnMiss (one request, but a
+reply stream that holds its thread for the whole pull), passes the socket's
 :class:`~hwr_server.access.admission.StreamAdmission` at handler entry, before its
 first message is read: over its peer's cap or the socket's total it answers
 RESOURCE_EXHAUSTED at once, and a stream whose first message does not come
@@ -31,6 +32,7 @@ from hwr_client.core.errors import (
 )
 from hwr_server.access import peers
 from hwr_server.access.admission import StreamAdmission
+from hwr_server.logtext import untrusted
 from hwr_server.rpc import gc as rpc_gc
 from hwr_server.rpc import leases as rpc_leases
 from hwr_server.rpc import registration as rpc_registration
@@ -118,7 +120,7 @@ class _TolerantServer:
 
 def _abort(context: grpc.ServicerContext, rpc: str, exc: BaseException) -> None:
     if isinstance(exc, HwrError):
-        log.info("%s failed: %s: %s", rpc, type(exc).__name__, exc)
+        log.info("%s failed: %s: %s", rpc, type(exc).__name__, untrusted(exc))
         if exc.reason:
             # The client turns it back into the same subclass (from_rpc_error).
             context.set_trailing_metadata(((REASON_METADATA, exc.reason),))
@@ -127,10 +129,12 @@ def _abort(context: grpc.ServicerContext, rpc: str, exc: BaseException) -> None:
     context.abort(grpc.StatusCode.INTERNAL, f"{rpc}: internal error: {type(exc).__name__}: {exc}")
 
 
-def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool = False) -> Callable[..., Any]:
+def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool = False,
+             admitted: bool = False) -> Callable[..., Any]:
     """Builds the servicer method of ``rpc`` that calls ``func``: a client
     stream with ``streaming``, one request and a reply stream with
-    ``replies`` (the transfers), else unary."""
+    ``replies`` (the transfers; ``admitted``: counted by the socket's stream
+    admission like a client stream), else unary."""
     mutating = rpc in MUTATING_ADMIN_RPCS
 
     def check(self: _Base) -> None:
@@ -164,7 +168,13 @@ def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool 
         def reply_stream(self: _Base, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
                 check(self)
-                yield from func(self.components, _decoded(rpc, request), context)
+                if not admitted:
+                    yield from func(self.components, _decoded(rpc, request), context)
+                    return
+                # Holds a server thread for as long as the transfer runs, like
+                # a client stream: counted against the same caps, at entry.
+                with self.admission.admitted(peers.peer_of(context), rpc, context):
+                    yield from func(self.components, _decoded(rpc, request), context)
             except Exception as exc:  # noqa: BLE001 - translated, never swallowed
                 if isinstance(exc, grpc.RpcError) or context.code() is not None:
                     raise
@@ -218,7 +228,7 @@ class RuntimeServicer(_Base, pb_grpc.RuntimeServicer):
     AdmitRegistration = _handler(rpc_registration.admit, "AdmitRegistration")
     ReportRegistrationChunk = _handler(rpc_registration.report_chunk, "ReportRegistrationChunk")
     ReleaseRegistration = _handler(rpc_registration.release, "ReleaseRegistration")
-    PullOnMiss = _handler(rpc_remote.pull_on_miss, "PullOnMiss", replies=True)
+    PullOnMiss = _handler(rpc_remote.pull_on_miss, "PullOnMiss", replies=True, admitted=True)
 
 
 class AdminServicer(_Base, pb_grpc.AdminServicer):

@@ -17,6 +17,7 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from hwr_client.core.identity import check_key
 from hwr_server.access.peers import peer_of
+from hwr_server.logtext import untrusted
 from hwr_server.publish.limits import RequestPump
 from hwr_server.publish.publication import Publication
 from hwr_server.rpc.leases import lease_info_pb, trusted_publisher
@@ -94,7 +95,7 @@ def report_corruption(c: Components, request: pb.ReportCorruptionRequest, contex
     ago answers for it.
     """
     key = check_key(request.key)
-    log.warning("client reports corruption of %s: %s", key[:12], request.detail[:200])
+    log.warning("client reports corruption of %s: %s", key[:12], untrusted(request.detail[:200]))
     outcome = c.store.reports.report(key)
     return pb.ReportCorruptionReply(quarantined=outcome.quarantined, problems=list(outcome.problems))
 

@@ -244,8 +244,8 @@ class Store:
     def default_capacity_hook(self, nbytes: int, *, evict: bool = True, who: str = "") -> None:
         """Refuses a publication of ``nbytes`` that would exceed
         ``config.capacity`` or the disk's free space. Never collects, so
-        ``evict`` and ``who`` (see :data:`~hwr_server.interfaces.CapacityHook`)
-        change nothing here.
+        ``evict`` (see :data:`~hwr_server.interfaces.CapacityHook`) changes
+        nothing here; ``who`` names the transfer in the refusal.
 
         Raises:
             ResourceExhausted: naming the figures and the fix.
@@ -262,8 +262,8 @@ class Store:
         margin = min(DISK_MARGIN_BYTES, st.f_blocks * st.f_frsize // 100)
         if nbytes + margin > free:
             raise ResourceExhausted(
-                f"store {self.root}: publication of {nbytes} bytes does not fit the disk's {free} free bytes "
-                f"(keeping {margin} spare); free disk space or run `hwr gc`"
+                f"store {self.root}: {who or 'publication'} of {nbytes} bytes does not fit the disk's {free} free "
+                f"bytes (keeping {margin} spare); free disk space or run `hwr gc`"
             )
 
     # -- publication support (used by hwr_server.publish.publication) -----------------

@@ -142,7 +142,7 @@ def test_a_plan_evicts_nothing_until_its_payload_arrives(tmp_path):
             assert_staging_empty(d)
             keys = {a.key for a in client.call(client.admin.ListArtifacts, pb.ListArtifactsRequest()).artifacts}
             assert keys == kept
-            assert "collecting when its payload arrives" in d.log()
+            assert "collecting as its payload arrives" in d.log()
             report = client.publish(identity(t="new"), big(3))
             keys = {a.key for a in client.call(client.admin.ListArtifacts, pb.ListArtifactsRequest()).artifacts}
             assert report.key in keys and not kept <= keys
