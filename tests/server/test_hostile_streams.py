@@ -340,11 +340,12 @@ def test_a_forged_or_foreign_token_is_the_anonymous_peer(make_daemon_fixture, tm
     from hwr_client.channel import peer_token
 
     token = peer_token(d.socket)
-    assert token is not None and token.startswith(f"v1.{os.getpid()}.{os.getuid()}.")
+    assert token is not None and token.startswith(f"v2.{os.getpid()}.{os.getuid()}.")
     stub = pb_grpc.RuntimeStub(raw_channel(d))
-    other_pid = token.replace(f"v1.{os.getpid()}.", "v1.1.", 1)
+    other_pid = token.replace(f"v2.{os.getpid()}.", "v2.1.", 1)
     guessed = token[:-4] + ("0000" if not token.endswith("0000") else "1111")
-    for forged in (other_pid, guessed, "", "x" * 4096):
+    v1 = ".".join(["v1", *token.split(".")[1:3], token.split(".")[-1]])  # the old format: not accepted
+    for forged in (other_pid, guessed, v1, "", "x" * 4096):
         call = stub.Session(iter(()), metadata=[("hwr-peer-token", forged)], timeout=CALL_BOUND_S)
         with pytest.raises(grpc.RpcError) as err:
             next(call)
