@@ -25,14 +25,16 @@ def toml(fields: dict) -> str:
     return "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items())
 
 
-def served_to_nobody(make_daemon_fixture, tmp_path, config: dict | None = None, *args: str):
-    """A started daemon (the fixture's factory) whose runtime socket nobody may use."""
+def served_to_nobody(make_daemon_fixture, tmp_path, config: dict | None = None, *args: str, root: str | None = None):
+    """A started daemon (the fixture's factory) whose runtime socket nobody
+    may use; ``root`` (a store nobody can reach, for leases) or one under
+    ``tmp_path`` (0700: nobody maps nothing from it)."""
     extra = list(args)
     if config:
         path = tmp_path / f"shared-{len(os.listdir(tmp_path))}.toml"
         path.write_text(toml(config))
         extra += ["--config", str(path)]
-    d = make_daemon_fixture(*extra, "--socket-group", "nogroup", start=False)
+    d = make_daemon_fixture(*extra, "--socket-group", "nogroup", start=False, root=root)
     os.chmod(os.path.dirname(d.socket), 0o755)  # the socket's own mode and group decide
     return d.start()
 
