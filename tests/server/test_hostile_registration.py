@@ -19,63 +19,20 @@ generously and never asserted as times.
 from __future__ import annotations
 
 import json
-import textwrap
 from collections import Counter
 
 from hwr_client.registration import RegistrationBroker
 from tests.conftest import identity, sample_tensors
+from tests.support.hostile_users import REGISTRATION_ATTACKER
 from tests.support.registration import poll, stats
 from tests.support.shared_node import finish, lookups, popen_nobody, served_to_nobody
 from tests.support.streams import readline
 
 MIB = 1024 * 1024
 
-# The attacker: one session; JSON commands on stdin, one JSON answer per line.
-#   {"op": "admit", "nbytes": N, "wait_ms": W}  -> the reply's fields
-#   {"op": "report", "rid": R, "nbytes": N}     -> {"known": ...}
-#   {"op": "flood", "n": N, "wait_ms": W}       -> {"fired": N}, later {"results": [...]} once all answered
-ATTACKER = textwrap.dedent("""
-    import json, sys, threading, grpc, hwr_client
-    from hwr_client.core._proto import hwr_pb2 as pb
-    client = hwr_client.connect(sys.argv[1])
-    session = client.session()
-    sid, rt = session.session_id(), session.runtime
-    def admit(nbytes, wait_ms):
-        r = rt.AdmitRegistration(pb.AdmitRegistrationRequest(session_id=sid, nbytes=nbytes, wait_ms=wait_ms,
-                                                             label="attacker"), timeout=120)
-        return {"admitted": r.admitted, "rid": r.registration_id, "reason": r.reason, "detail": r.detail}
-    def flood(n, wait_ms):
-        out, lock = [], threading.Lock()
-        def one():
-            try:
-                got = admit(4096, wait_ms)["reason"] or "admitted"
-            except grpc.RpcError as e:
-                got = e.code().name
-            with lock:
-                out.append(got)
-        threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
-        for t in threads:
-            t.start()
-        print(json.dumps({"fired": n}), flush=True)
-        for t in threads:
-            t.join()
-        print(json.dumps({"results": out}), flush=True)
-    print(json.dumps({"uid": __import__("os").getuid()}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "admit":
-            print(json.dumps(admit(cmd["nbytes"], cmd.get("wait_ms", 0))), flush=True)
-        elif cmd["op"] == "report":
-            r = rt.ReportRegistrationChunk(pb.ReportRegistrationChunkRequest(
-                session_id=sid, registration_id=cmd["rid"], nbytes=cmd["nbytes"], seconds=0.001), timeout=30)
-            print(json.dumps({"known": r.known}), flush=True)
-        elif cmd["op"] == "flood":
-            threading.Thread(target=flood, args=(cmd["n"], cmd["wait_ms"]), daemon=True).start()
-""")
-
 
 def _attacker(d):
-    p = popen_nobody(ATTACKER, d.socket)
+    p = popen_nobody(REGISTRATION_ATTACKER, d.socket)
     hello = readline(p, timeout=60)
     assert hello, f"the attacker did not start: {p.stderr.read() if p.poll() is not None else ''}"
     assert json.loads(hello) == {"uid": 65534}

@@ -15,7 +15,6 @@ Assertions are on counts, status codes and config-field names.
 from __future__ import annotations
 
 import json
-import textwrap
 from collections import Counter
 
 import torch
@@ -24,73 +23,10 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.plan import to_proto
 from hwr_client.tensors import build_plan
 from tests.conftest import identity, sample_tensors
+from tests.support.hostile_users import STREAM_HOG, TRICKLER
 from tests.support.raw_publish import COMMIT, StatusCode, chunks, raw_publish
 from tests.support.shared_node import finish, popen_nobody, served_to_nobody
 from tests.support.streams import readline
-
-# Opens N Session streams (SessionOpen sent, then silent) with hwr_client's
-# channel (its peer token names this pid and uid 65534); prints each outcome.
-STREAM_HOG = textwrap.dedent("""
-    import json, sys, threading, grpc
-    from hwr_client.channel import open_channel
-    from hwr_client.core._proto import hwr_pb2 as pb, hwr_pb2_grpc as pb_grpc
-    stub = pb_grpc.RuntimeStub(open_channel(sys.argv[1]))
-    hold = threading.Event()
-    def requests():
-        yield pb.SessionRequest(open=pb.SessionOpen(client_name="hog"))
-        hold.wait()
-    out, calls = [], []
-    for _ in range(int(sys.argv[2])):
-        call = stub.Session(requests(), timeout=300)
-        calls.append(call)
-        try:
-            out.append("OPENED" if next(call).WhichOneof("kind") == "opened" else "?")
-        except grpc.RpcError as e:
-            out.append(e.code().name + ": " + (e.details() or ""))
-    print(json.dumps(out), flush=True)
-    sys.stdin.read()
-    hold.set()
-    for c in calls:
-        c.cancel()
-""")
-
-# One ordered publication of a 64 KiB tensor that sends one byte every half
-# second once accepted; prints its final status. Plain protobuf: no torch.
-TRICKLER = textwrap.dedent("""
-    import json, sys, threading, time, grpc
-    from hwr_client.channel import open_channel
-    from hwr_client.core._proto import hwr_pb2 as pb, hwr_pb2_grpc as pb_grpc
-    from hwr_client.core.identity import Identity
-    doc = {"contract": {"name": "tiny-dit", "version": 1},
-           "sources": [{"name": "model.safetensors", "content_id": "sha256:" + "ab" * 32}],
-           "representation": {"dtype": "bfloat16"},
-           "layout": {"tp_rank": 0, "tp_size": 1, "sp_size": 1, "sp_backend": "none"},
-           "producer": {"id": "trickle", "version": "1"}, "extra": {"tag": sys.argv[2]}}
-    plan = pb.PublishPlan(identity_json=Identity.from_dict(doc).to_json(), ordered=True, files=[
-        pb.FilePlan(name="f", tensors=[pb.TensorPlan(name="w", dtype="U8", shape=[65536])])])
-    stub = pb_grpc.RuntimeStub(open_channel(sys.argv[1]))
-    accepted, stop = threading.Event(), threading.Event()
-    def requests():
-        yield pb.PublishRequest(plan=plan)
-        accepted.wait()
-        for i in range(120):
-            if stop.wait(0.5):
-                return
-            yield pb.PublishRequest(chunk=pb.PayloadChunk(file_index=0, offset=i, data=b"\\0"))
-    call = stub.Publish(requests(), timeout=120)
-    print(json.dumps({"started": True}), flush=True)
-    try:
-        for event in call:
-            if event.WhichOneof("kind") == "accepted":
-                accepted.set()
-        outcome = ["OK", ""]
-    except grpc.RpcError as e:
-        outcome = [e.code().name, e.details() or ""]
-    stop.set()
-    accepted.set()
-    print(json.dumps(outcome), flush=True)
-    sys.stdin.read()
-""")
 
 
 def test_one_uid_forking_processes_cannot_take_every_stream(make_daemon_fixture, tmp_path):
