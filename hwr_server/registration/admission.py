@@ -285,7 +285,7 @@ class RegistrationAdmission:
                 return self._refuse_locked(BUSY, "the daemon is stopping; stage instead")
             if self._in_flight >= self.max_in_flight or ahead:
                 return self._queue_locked(waiter, session_id, uid_key, ahead, now, wait_s,
-                                          capped=not privileged)
+                                          capped=not privileged, had_ticket=bool(ticket))
             self._drop_waiter_locked(waiter)
             reg = _Registration(secrets.token_urlsafe(18), session_id, pid, uid_key, client_name, label, nbytes,
                                 chunk_started=now)
@@ -333,7 +333,7 @@ class RegistrationAdmission:
         return len(self._queue)
 
     def _queue_locked(self, waiter: _Waiter | None, session_id: str, uid_key: str, ahead: int, now: float,
-                      wait_s: float, *, capped: bool) -> Admission:
+                      wait_s: float, *, capped: bool, had_ticket: bool) -> Admission:
         """Queues a new request or renews a queued one; "busy" when its wait
         is over, it asked for none, or (``capped``: not root or the daemon's
         uid) its uid has too many tickets."""
@@ -342,7 +342,8 @@ class RegistrationAdmission:
         if waiter is None:
             wait = max(0.0, min(wait_s, self.max_wait_s))
             if wait <= 0:
-                return self._refuse_locked(BUSY, busy)
+                return self._refuse_locked(BUSY, busy + ("; this request's wait is over (its ticket is gone)"
+                                                         if had_ticket else ""))
             mine = sum(1 for w in self._queue.values() if w.uid_key == uid_key)
             if capped and mine >= self.max_waiters_per_uid:
                 return self._refuse_locked(BUSY, (

@@ -137,6 +137,63 @@ def test_a_stall_frees_the_slot_and_refuses_only_its_own_session():
     assert adm.admit("a", MIB, pid=1).admitted  # a is admitted again once its chunk completed
 
 
+def test_queued_requests_are_answered_at_once_and_admitted_in_order():
+    clock, sessions = _Clock(), {"a", "b", "c"}
+    adm = _admission(sessions, clock)
+    first = adm.admit("a", MIB, pid=1)
+    b = adm.admit("b", MIB, pid=2, wait_s=60)
+    c = adm.admit("c", MIB, pid=3, wait_s=60)
+    assert (b.reason, b.position, c.reason, c.position) == ("queued", 0, "queued", 1)
+    assert b.retry_after_ms > 0 and b.ticket != c.ticket
+    assert adm.stats()["hwr_registrations_queued"] == 2
+    adm.report_chunk("a", first.registration_id, MIB, 0.1)  # the slot frees
+    # c asks first, but b is ahead of it: the slot waits for b.
+    assert adm.admit("c", MIB, pid=3, ticket=c.ticket).reason == "queued"
+    assert adm.admit("c", MIB, pid=3, wait_s=60).position == 2  # without its ticket: a new request, at the end
+    granted = adm.admit("b", MIB, pid=2, ticket=b.ticket)
+    assert granted.admitted
+    adm.report_chunk("b", granted.registration_id, MIB, 0.1)
+    assert adm.admit("c", MIB, pid=3, ticket=c.ticket).admitted
+    assert adm.stats()["hwr_registrations_queued"] == 1  # c's second, ticketless request
+
+
+def test_a_queued_request_leaves_when_it_stops_asking_or_its_wait_is_over():
+    clock, sessions = _Clock(), {"a", "b", "c"}
+    adm = _admission(sessions, clock, registration_chunk_timeout_s=100.0)  # no stall frees the slot here
+    adm.admit("a", MIB, pid=1)  # holds the slot
+    gone = adm.admit("b", MIB, pid=2, wait_s=60)
+    clock.t += 6  # more than TICKET_TTL_S without asking again
+    late = adm.admit("c", MIB, pid=3, wait_s=2)
+    assert (late.reason, late.position) == ("queued", 0)  # b's place is gone
+    assert adm.admit("b", MIB, pid=2, ticket=gone.ticket, wait_s=60).position == 1  # asks again: at the end now
+    clock.t += 2  # c's 2 s are over
+    over = adm.admit("c", MIB, pid=3, ticket=late.ticket)
+    assert over.reason == "busy" and "wait is over" in over.detail
+
+
+def test_one_uid_queues_at_most_its_share_of_waiters():
+    clock, sessions = _Clock(), {"a", "b"}
+    adm = _admission(sessions, clock, max_registration_waiters_per_uid=2)
+    adm.admit("a", MIB, pid=1)  # holds the slot
+    got = [adm.admit("b", MIB, pid=2, uid_key="uid 65534", wait_s=60).reason for _ in range(3)]
+    assert got == ["queued", "queued", "busy"]
+    refused = adm.admit("b", MIB, pid=2, uid_key="uid 65534", wait_s=60)
+    assert "max_registration_waiters_per_uid" in refused.detail
+    # Another uid, and the node's own (privileged) workers, still queue.
+    assert adm.admit("b", MIB, pid=2, uid_key="uid 1000", wait_s=60).reason == "queued"
+    assert all(adm.admit("a", MIB, pid=1, uid_key="uid 0", privileged=True, wait_s=60).reason == "queued"
+               for _ in range(3))
+
+
+def test_one_uid_holds_at_most_its_share_of_the_budget():
+    clock, sessions = _Clock(), {"a", "b"}
+    adm = _admission(sessions, clock, registration_uid_share=0.5, max_registrations_in_flight=8)
+    assert adm.admit("a", 5 * MIB, pid=1, uid_key="uid 65534").admitted  # exactly the share
+    refused = adm.admit("b", MIB, pid=2, uid_key="uid 65534")  # another process of the same uid
+    assert refused.reason == "budget" and "registration_uid_share" in refused.detail
+    assert adm.admit("b", 5 * MIB, pid=2, uid_key="uid 0", privileged=True).admitted  # the rest
+
+
 def test_a_stopping_daemon_refuses_at_once():
     adm = RegistrationAdmission(ServerConfig(registration_budget_bytes=4 * MIB), lambda s: True)
     assert adm.admit("a", MIB, pid=1, privileged=True).admitted  # takes the only slot
