@@ -73,6 +73,8 @@ RETRY_AFTER_MS = 200
 #: A ticket not presented again within this long leaves the queue (its
 #: worker gave up or died). Seconds.
 TICKET_TTL_S = 5.0
+#: Refusals are logged at most once per this period. Seconds.
+REFUSAL_LOG_PERIOD_S = 1.0
 
 
 def mem_total_bytes(path: str = "/proc/meminfo") -> int:
@@ -189,6 +191,8 @@ class RegistrationAdmission:
         self._last_gbps = 0.0
         self._stalls = 0
         self._released = 0
+        self._refusal_logged_at = -REFUSAL_LOG_PERIOD_S
+        self._refusals_unlogged = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         log.info("registration admission: budget %.2f GiB%s (%.0f%% per uid), %d in flight, chunks of %.2f GiB, "
@@ -375,7 +379,15 @@ class RegistrationAdmission:
 
     def _refuse_locked(self, reason: str, detail: str) -> Admission:
         self._outcomes[reason] += 1
-        log.info("registration refused (%s): %s", reason, detail)
+        # At most one line per period (with the count not logged): a client
+        # asking in a loop, or a flood of requests, must not flood the journal.
+        now = self._clock()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_PERIOD_S:
+            log.info("registration refused (%s): %s (and %d refusal(s) not logged since the last)", reason, detail,
+                     self._refusals_unlogged)
+            self._refusal_logged_at, self._refusals_unlogged = now, 0
+        else:
+            self._refusals_unlogged += 1
         return Admission(False, "", self.chunk_bytes, reason, detail)
 
     def report_chunk(self, session_id: str, rid: str, nbytes: int, seconds: float) -> tuple[bool, bool]:
