@@ -18,8 +18,12 @@ tests/server/test_hostile_publications.py (their builders are imported, not copi
 - ``idle_publications``: a legitimate publish behind as many plan-only
   publications as there are slots (``max_publications``), with
   ``publication_idle_s`` lowered in the config, against the same publish
-  with no hogs.
-
+  with no hogs;
+- ``shared_node``: one user (uid ``nobody``) against root's worker on a
+  shared daemon: a flood of waiting registrations, six processes of streams,
+  four trickling publications, a stalled registration; root's Lookup p50/p99
+  and the daemon's RSS, threads and fds, with and without each attack
+  (bench/hostile_local.py);
 - the pull cases (``bench/hostile_registry.py``): a hostile registry on
   127.0.0.1 (tests/support/hostile_registry.py) throws 401 and 307 bombs, a
   trickled layer, 1,320 cancelled and 64 held PullOnMiss calls against a
@@ -68,6 +72,7 @@ from tests.conftest import identity, sample_tensors  # noqa: E402
 from tests.support.daemon import cleanup, make_daemon  # noqa: E402
 from tests.support.raw_publish import COMMIT, daemon_rss_mib, held_stream, raw_publish, toml  # noqa: E402
 from tests.support.streams import CALL_BOUND_S, HOSTILE, readline, wait_for  # noqa: E402
+from bench.hostile_local import print_local, run_local  # noqa: E402
 
 #: A new worker: interpreter start, torch and hwr_client imports, connect, lease, map.
 FIRST_LEASE = ("import sys, torch, hwr_client\n"
@@ -263,6 +268,7 @@ def run(args: argparse.Namespace, directory: str) -> dict[str, Any]:
         out["streams"] = case_streams(directory, 5 if quick else args.calls, baseline_lease=not quick)
         out["huge_plan"] = case_huge_plan(directory, sizes, 4096 if quick else None)
         out["idle_publications"] = case_idle(directory, 1.0 if quick else args.idle)
+        out["shared_node"] = run_local(directory, 5 if quick else args.calls)
     if args.cases in ("all", "pull"):
         pull_dir = os.path.join(directory, "pull")
         os.mkdir(pull_dir)
@@ -306,6 +312,7 @@ def print_local_table(r: dict) -> None:
     print(f"{'publish behind ' + str(i['hogs']) + ' plan-only publications s (idle ' + format(i['publication_idle_s'], 'g') + ' s)':58} "
           f"{i['baseline_seconds']:>8.2f}{'':9} {i['legit_seconds']:>8.2f}{'' if i['legit_committed'] else ' FAIL':9}")
     print(f"  hogs ended: {i['hog_codes']}")
+    print_local(r["shared_node"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,8 @@ from hwr_client.core.errors import InvalidArgument
 import dlo_runtime.allgather as ag
 from dlo_runtime.copy_engine import CopyEngine, make_copy_engine
 from dlo_runtime.cuda_host import default_registrar
-from dlo_runtime.host_blocks import HostBlock, lease_blocks, member_view, pack_block, pack_layout, set_tensor, shard_block
+from dlo_runtime.host_blocks import (HostBlock, check_mapped, lease_blocks, member_view, pack_block, pack_layout,
+                                     set_tensor, shard_block)
 from dlo_runtime.options import OffloadOptions
 from dlo_runtime.restore import tensor_slots
 from dlo_runtime.transports import (
@@ -232,6 +233,8 @@ class OffloadBackend:
         self._hook_and_prefetch()
 
     def _hook_and_prefetch(self) -> None:
+        # Each forward starts with the check too: unstreamed tensors may be read from the mapping.
+        self._hooks += [self._module.register_forward_pre_hook(lambda m, a: check_mapped(self._lease))] if self._module else []
         for j, b in enumerate(self._blocks):
             self._hooks.append(b.module.register_forward_pre_hook(lambda m, a, j=j: self._pre(j)))
             self._hooks.append(b.module.register_forward_hook(lambda m, a, o, j=j: self._post(j)))
@@ -350,6 +353,7 @@ class OffloadBackend:
                 # This rank left the announced sequence: the group agreed on
                 # block g, gathered (size-matched) and discarded; the next
                 # agree() settles j (or raises on every rank).
+        check_mapped(self._lease)  # the bytes about to be copied are still the mapped file's
         staging = self._staging[slot][: blk.nbytes] if self._staging else None
         self._slot_block[slot] = None
         host_copies = self._engine.load(slot, self._buffers[slot][: blk.nbytes], blk.host_bytes, staging)

@@ -43,6 +43,16 @@ class HostBlock:
         return int(self.host_bytes.numel())
 
 
+def check_mapped(lease: Any) -> None:
+    """The backend's check before each block copy and each forward: raises
+    DataLoss when a file under the lease's mapping was rewritten or
+    truncated in place since it was mapped, before the changed bytes are
+    used or a page past a new end is touched (SIGBUS). One fstat per mapped
+    file (:class:`hwr_client.mapping.MappedFileGuard`); no lease, no check."""
+    if lease is not None:
+        lease.check_unchanged()
+
+
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 

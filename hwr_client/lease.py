@@ -34,7 +34,7 @@ import xxhash
 
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument
+from hwr_client.core.errors import DataLoss, FailedPrecondition, HwrError, InvalidArgument
 from hwr_client.core.identity import check_key
 from hwr_client.core.manifest import BlockEntry, Manifest
 from hwr_client.mapping import MappedArtifact, Region
@@ -125,6 +125,13 @@ class Lease:
         """The mapped ranges (path, address, length) for CUDA registration."""
         return self._mapped.regions()
 
+    def check_unchanged(self) -> None:
+        """Raises DataLoss if a mapped blob changed in place since it was
+        mapped (size or mtime; :class:`hwr_client.mapping.MappedFileGuard`).
+        One fstat per file; the offload backend calls it before each block
+        copy. After :meth:`close` there is nothing to check."""
+        self._mapped.check_unchanged()
+
     def verify(self, mode: str = "fast") -> "VerifyReport":
         """Hashes the mapped bytes against the manifest (see
         :func:`verify_mapped`); reports, never raises for a mismatch."""
@@ -157,6 +164,13 @@ class Lease:
             if self._closed:
                 return
             self._closed = True
+        try:
+            # At release too: a change since the last check (the last block
+            # fetch) may have reached the outputs; say so, never raise here.
+            self._mapped.check_unchanged()
+        except DataLoss as exc:
+            log.error("lease %s… on %s: %s; outputs computed since the last check may be wrong", self.lease_id[:8],
+                      self.key[:12], exc)
         try:
             if self._release is not None and not self._lost:
                 self._release(self.lease_id)

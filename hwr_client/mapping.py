@@ -20,6 +20,27 @@ of its own that covers exactly its bytes, over the same mapped pages (no
 copy): for consumers that treat tensors sharing a storage as aliases of one
 another (vLLM-Omni's restorer refuses them) or that hand storages to code
 which assumes it owns all of one.
+
+Bytes changed under the mapping. ``PROT_READ`` stops this process from
+writing, not the file's owner: ``cp`` over a checkpoint served by the
+checkpoint-mmap plan rewrites the mapped inode in place (the output changed
+with no error), ``truncate`` leaves pages past the new end that raise SIGBUS
+when read (the worker died), and root rewriting a blob in place under a
+lease turned weights into NaNs even after ``verify="full"``.
+:class:`MappedFileGuard` notices what is cheap to notice: it keeps a
+descriptor of every mapped inode (the one mapped, not whatever the name
+points to later: a rename over the name changes nothing mapped) with its
+size and mtime at map time, and :meth:`MappedFileGuard.check` (one
+``fstat`` per file) raises ``DataLoss`` naming the file once either
+changed. The offload backend calls it before each block copy and at the
+start of each forward, so a change between two fetches is an error before
+the changed bytes are used or a truncated page is touched. What it cannot
+see: a write between the check and the copy (a race of microseconds), a
+same-size write within the same clock tick as the file's last modification
+(the kernel's timestamps are coarse; a mapped file is rarely that fresh),
+and a writer that puts the mtime back (``touch -d``; only the file's owner
+or root can). ``verify="full"`` at lease time and the daemon's read-only
+blobs are the other defences.
 """
 
 from __future__ import annotations
@@ -29,11 +50,12 @@ import math
 import mmap
 import os
 import warnings
+import weakref
 from typing import Sequence
 
 import torch
 
-from hwr_client.core.errors import FailedPrecondition, InvalidArgument
+from hwr_client.core.errors import DataLoss, FailedPrecondition, InvalidArgument
 from hwr_client.core.layout import DTYPE_SIZES
 from hwr_client.tensors import TORCH_DTYPES
 from hwr_client.core.manifest import BlockEntry, Manifest, TensorEntry
@@ -57,6 +79,84 @@ class Region:
     def aligned_length(self) -> int:
         """``length`` rounded up to whole pages: what a registrar registers."""
         return (self.length + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
+
+
+@dataclasses.dataclass(frozen=True)
+class FileStamp:
+    """What :class:`MappedFileGuard` compares: the mapped inode's size and
+    modification time. Not the ctime: a hard link, a rename or a chmod
+    (the daemon links and moves blobs) changes it without touching a byte."""
+
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "FileStamp":
+        return cls(st.st_size, st.st_mtime_ns)
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class MappedFileGuard:
+    """Notices a mapped file changed in place (see the module docstring).
+
+    Args:
+        files: ``(path, fd)`` of each mapped file; the guard owns the
+            descriptors (open on the inode that is mapped) and closes them
+            in :meth:`close` or when it is collected.
+    """
+
+    def __init__(self, files: Sequence[tuple[str, int]]):
+        self._files = [(path, fd, FileStamp.of(os.fstat(fd))) for path, fd in files]
+        self._finalizer = weakref.finalize(self, _close_fds, [fd for _, fd, _ in self._files])
+
+    @classmethod
+    def open(cls, paths: Sequence[str]) -> "MappedFileGuard":
+        """A guard over ``paths``, opened now. For files mapped by someone
+        else (the checkpoint reader): open it right after mapping, so both
+        name the same inode unless the name was replaced in between.
+
+        Raises:
+            FailedPrecondition: a file cannot be opened.
+        """
+        files: list[tuple[str, int]] = []
+        try:
+            for p in paths:
+                files.append((p, os.open(p, os.O_RDONLY | os.O_CLOEXEC)))
+        except OSError as exc:
+            _close_fds([fd for _, fd in files])
+            raise FailedPrecondition(f"mapped file {p}: cannot open ({exc.strerror})") from None
+        return cls(files)
+
+    def check(self) -> None:
+        """Raises if any mapped file's size or mtime changed since mapping.
+
+        Raises:
+            DataLoss: naming the file and what changed; the mapped bytes can
+                no longer be trusted (a smaller size: reading past the new
+                end would kill the process with SIGBUS).
+        """
+        if not self._finalizer.alive:
+            return  # closed (released): its descriptor numbers may name other files by now
+        for path, fd, stamp in self._files:
+            now = FileStamp.of(os.fstat(fd))
+            if now != stamp:
+                raise DataLoss(
+                    f"mapped file {path} changed under its mapping: size {stamp.size} -> {now.size}, mtime_ns "
+                    f"{stamp.mtime_ns} -> {now.mtime_ns}; its bytes were rewritten or truncated in place "
+                    "(never do that to a file a worker maps: write a new file and rename it over the name); "
+                    "restart the worker"
+                )
+
+    def close(self) -> None:
+        """Closes the descriptors. Idempotent."""
+        self._finalizer()
 
 
 def _readonly_frombuffer(mm: mmap.mmap) -> torch.Tensor:
@@ -122,28 +222,44 @@ class MappedArtifact:
         self.paths = tuple(paths)
         self._maps: list[mmap.mmap] = []
         self._bytes: list[torch.Tensor] = []
-        for entry, path in zip(manifest.files, paths):
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as exc:
-                raise FailedPrecondition(
-                    f"artifact {manifest.key[:12]}: cannot open blob {path}: {exc.strerror}; run `hwr verify {manifest.key}`"
-                ) from None
-            try:
-                size = os.fstat(fd).st_size
-                if size != entry.size:
-                    raise FailedPrecondition(
-                        f"artifact {manifest.key[:12]}: blob {path} has {size} bytes, expected {entry.size}; "
-                        f"run `hwr verify {manifest.key}`"
-                    )
-                mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            finally:
-                # The mapping holds its own reference to the file.
-                os.close(fd)
-            self._maps.append(mm)
-            self._bytes.append(_readonly_frombuffer(mm))
+        fds: list[tuple[str, int]] = []
+        try:
+            for entry, path in zip(manifest.files, paths):
+                self._map_one(entry.size, path, fds)
+        except BaseException:
+            _close_fds([fd for _, fd in fds])
+            raise
+        # The descriptors the files were mapped through: the guard checks
+        # exactly the mapped inodes.
+        self._guard = MappedFileGuard(fds)
         self._tensors: dict[str, torch.Tensor] | None = None
         self._per_tensor: dict[str, torch.Tensor] | None = None
+
+    def _map_one(self, size_expected: int, path: str, fds: list[tuple[str, int]]) -> None:
+        key = self.manifest.key
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"artifact {key[:12]}: cannot open blob {path}: {exc.strerror}; run `hwr verify {key}`"
+            ) from None
+        fds.append((path, fd))  # kept open for the guard (closed on failure by the caller)
+        size = os.fstat(fd).st_size
+        if size != size_expected:
+            raise FailedPrecondition(
+                f"artifact {key[:12]}: blob {path} has {size} bytes, expected {size_expected}; run `hwr verify {key}`"
+            )
+        mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self._maps.append(mm)
+        self._bytes.append(_readonly_frombuffer(mm))
+
+    def check_unchanged(self) -> None:
+        """:meth:`MappedFileGuard.check` over every mapped file (one fstat each).
+
+        Raises:
+            DataLoss: a file's bytes changed in place since it was mapped.
+        """
+        self._guard.check()
 
     def _check_open(self) -> None:
         if not self._bytes:
@@ -264,9 +380,11 @@ class MappedArtifact:
         return [Region(p, b.data_ptr(), b.numel()) for p, b in zip(self.paths, self._bytes)]
 
     def release(self) -> None:
-        """Drops this object's references to the mappings. Idempotent. Views
-        handed out earlier stay valid (they keep the mapping alive)."""
+        """Drops this object's references to the mappings (and the guard's
+        descriptors). Idempotent. Views handed out earlier stay valid (they
+        keep the mapping alive)."""
         self._maps.clear()
         self._bytes.clear()
         self._tensors = None
         self._per_tensor = None
+        self._guard.close()

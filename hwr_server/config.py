@@ -218,6 +218,19 @@ class ServerConfig:
     #: flight (its first may be as large as capacity allows). Bytes; 0 = half
     #: of ``capacity``, or half of the disk without one.
     peer_reserved_bytes: int = 0
+    #: Publications the processes of one uid run at once, together; the next
+    #: waits for one of that uid's own, holding no global slot. Root and the
+    #: daemon's own uid are not capped by it (the node's operator). Count;
+    #: 0 = half of max_publications (at least 1), so other users always
+    #: find a slot.
+    max_publications_per_uid: int = 0
+    #: Payload bytes a publication must bring per second of the time the
+    #: daemon spends waiting for its next message, measured over each
+    #: publication_idle_s of such waiting; a slower one ends ABORTED (its
+    #: slot freed): a client trickling a byte at a time cannot hold a slot.
+    #: The daemon's own time (writing, hashing, collecting) is not counted.
+    #: Bytes/s; 0 = no floor. Default 64 KiB/s.
+    publication_min_bytes_per_s: int = 64 * 1024
 
     # -- threads, streams, sessions and peers (hwr_server.access.admission, .peers, .leases) --
     #: Client streams (Session, Publish) one process, as proven by the peer
@@ -228,6 +241,13 @@ class ServerConfig:
     #: The same cap for every caller without a peer token together (old
     #: clients, raw gRPC); 0 refuses their streams. Count. Default 8.
     max_streams_anonymous: int = 8
+    #: Client streams the processes of one uid (as proven by the handshake)
+    #: may hold together on one socket; more answer RESOURCE_EXHAUSTED. Root
+    #: and the daemon's own uid are not capped by it. Count; 0 = half of the
+    #: socket's stream capacity (24 with the default grpc_threads), so one
+    #: user forking processes cannot take every stream. A node that runs
+    #: all its workers as one non-root uid raises it.
+    max_streams_per_uid: int = 0
     #: A client stream that sends no first message (SessionOpen, the plan)
     #: within this long is cancelled and its thread freed. Seconds. Default 10.
     stream_first_message_timeout_s: float = 10.0
@@ -260,20 +280,29 @@ class ServerConfig:
     #: registration_budget_bytes is 0. In (0, 1]; default 0.5: pinned pages
     #: cannot be reclaimed, and the page cache and the workers need the rest.
     registration_budget_fraction: float = 0.5
-    #: Registrations in flight on the node at once; more wait (up to
-    #: registration_max_wait_s), then are refused "busy". Count. Default 1:
-    #: pinning serializes on driver-global locks anyway.
+    #: Registrations in flight on the node at once; more are queued (up to
+    #: registration_max_wait_s, asking again with a ticket; no daemon thread
+    #: waits), then refused "busy". Count. Default 1: pinning serializes on
+    #: driver-global locks anyway.
     max_registrations_in_flight: int = 1
     #: Largest range a worker registers in one call, bytes; each chunk is
     #: logged and counted. Default 1 GiB.
     registration_chunk_bytes: int = 1024 ** 3
     #: A chunk not reported within this long is a stall: logged, counted,
-    #: shown in `hwr stats`, and new registrations are refused "watchdog"
-    #: until it completes. Seconds. Default 60 (1 GiB of cold pages from a
-    #: slow disk takes well under that).
+    #: shown in `hwr stats`; its in-flight slot goes to the next request and
+    #: the stalled session's new requests are refused "watchdog" until it
+    #: completes (other workers are not). Seconds. Default 60 (1 GiB of cold
+    #: pages from a slow disk takes well under that).
     registration_chunk_timeout_s: float = 60.0
-    #: Longest a request waits for an in-flight slot. Seconds. Default 300.
+    #: Longest a request stays queued for an in-flight slot. Seconds. Default 300.
     registration_max_wait_s: float = 300.0
+    #: Fraction of the budget the registrations of one uid may hold together;
+    #: more is refused "budget". Root and the daemon's own uid are not capped
+    #: by it. In (0, 1]; default 0.5: one user cannot pin the whole budget.
+    registration_uid_share: float = 0.5
+    #: Requests of one uid queued for the in-flight slot at once; more are
+    #: refused "busy" at once. Count; default 4.
+    max_registration_waiters_per_uid: int = 4
 
     # -- many nodes: the OCI registry (hwr_server.remote.remote) --
     #: The ``[remote]`` table (see RemoteConfig).

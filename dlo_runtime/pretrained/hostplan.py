@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from hwr_client.core.errors import FailedPrecondition
-from hwr_client.mapping import Region, _readonly_frombuffer
+from hwr_client.mapping import MappedFileGuard, Region, _readonly_frombuffer
 from hwr_client.tensors import TORCH_DTYPES, SafetensorsFile
 
 from dlo_runtime.checkpoint import CheckpointReader
@@ -287,6 +287,7 @@ class CheckpointMapping:
             raise FailedPrecondition(f"checkpoint mapping: the plan was refused ({plan.reason})")
         self.plan = plan
         self._files = [SafetensorsFile(p, mmap=True, writable=False) for p in plan.files]
+        self.check_unchanged = MappedFileGuard.open(plan.files).check  # DataLoss once a mapped file changes in place
         # The reader's read-only mapping (PROT_READ: a write faults), whole.
         self._raw = [_readonly_frombuffer(f._mm) if f._mm is not None else torch.empty(0, dtype=torch.uint8)
                      for f in self._files]

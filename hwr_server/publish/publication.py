@@ -58,7 +58,7 @@ from hwr_client.core.plan import CheckedPlan, build_manifest, check_plan, check_
 from hwr_server.access.files import Untrusted, open_stored
 from hwr_server.access.peers import ANONYMOUS, Peer
 from hwr_server.access.publisher import published_by
-from hwr_server.publish.limits import declared_tensors, plan_limits
+from hwr_server.publish.limits import declared_tensors, plan_limits, uid_publication_cap
 from hwr_server.store import commit as durable
 from hwr_server.store.capacity import ArrivalAdmission
 from hwr_server.store.hashing import WholeHasher, _Stage, parts_from_plan, readback, set_native_thread_name
@@ -180,10 +180,11 @@ class Publication:
             return
         self._claimed = True
         cfg, shares = self.store.config, self.store.publication_peers
-        # The peer's own share first (config.max_publications_per_peer), so a
-        # peer over it waits without holding one of the global slots.
+        # The peer's and its uid's own shares first (max_publications_per_peer,
+        # max_publications_per_uid), so one over them waits without holding
+        # one of the global slots.
         shares.acquire_slot(self.peer.key, max(1, min(cfg.max_publications_per_peer, cfg.max_publications)),
-                            is_active, self._what())
+                            is_active, self._what(), uid=self.peer.uid_key, uid_cap=uid_publication_cap(cfg, self.peer))
         self._peer_slot = True
         # Wait for a publication slot (config.max_publications); give up when the caller left.
         while not self.store.publication_slots.acquire(timeout=0.5):
@@ -530,7 +531,7 @@ class Publication:
             self.store.publication_slots.release()
             self._slot = False
         if self._peer_slot:
-            self.store.publication_peers.release_slot(self.peer.key)
+            self.store.publication_peers.release_slot(self.peer.key, uid=self.peer.uid_key)
             self._peer_slot = False
         if not self._done and not self._counted and not self.already_published:
             self._counted = True

@@ -16,6 +16,7 @@ from hwr_client.core.digests import check_label_text
 from hwr_client.core.errors import InvalidArgument, NotFound
 from hwr_server.access.peers import peer_of
 from hwr_server.access.publisher import Publisher
+from hwr_server.access.views import viewer_of
 from hwr_server.leases.manager import LeaseInfo
 
 if TYPE_CHECKING:
@@ -123,6 +124,9 @@ def lease_info_pb(info: LeaseInfo) -> pb.LeaseInfo:
                         client_name=info.client_name, acquired_unix=info.acquired_unix, state=info.state)
 
 
-def list_leases(c: Components, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesReply:
-    """Every lease, attached or awaiting re-attach, by acquisition time."""
-    return pb.ListLeasesReply(leases=[lease_info_pb(i) for i in c.leases.list()])
+def list_leases(c: Components, request: pb.ListLeasesRequest, context: grpc.ServicerContext, *,
+                admin: bool) -> pb.ListLeasesReply:
+    """Every lease, attached or awaiting re-attach, by acquisition time; on
+    the runtime socket only the caller's own (:mod:`hwr_server.access.views`)."""
+    viewer = viewer_of(context, admin=admin)
+    return pb.ListLeasesReply(leases=[lease_info_pb(i) for i in c.leases.list() if viewer.sees_process(i.pid)])

@@ -50,9 +50,10 @@ log = logging.getLogger(__name__)
 MUTATING_ADMIN_RPCS = frozenset({"DeleteArtifact", "CollectGarbage", "VerifyArtifact", "ForgetSource", "Push", "Pull"})
 
 #: A handler: (components, request or request iterator, context) -> reply,
-#: or an iterator of replies for a streaming rpc. Requests and replies are
-#: protobuf messages of many types; the handlers' own signatures name them.
-Handler = Callable[["Components", Any, grpc.ServicerContext], Any]
+#: or an iterator of replies for a streaming rpc; a scoped one also takes
+#: ``admin=`` (see _handler). Requests and replies are protobuf messages of
+#: many types; the handlers' own signatures name them.
+Handler = Callable[..., Any]
 
 
 class _Undecodable:
@@ -130,11 +131,13 @@ def _abort(context: grpc.ServicerContext, rpc: str, exc: BaseException) -> None:
 
 
 def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool = False,
-             admitted: bool = False) -> Callable[..., Any]:
+             admitted: bool = False, scoped: bool = False) -> Callable[..., Any]:
     """Builds the servicer method of ``rpc`` that calls ``func``: a client
     stream with ``streaming``, one request and a reply stream with
     ``replies`` (the transfers; ``admitted``: counted by the socket's stream
-    admission like a client stream), else unary."""
+    admission like a client stream), else unary. A ``scoped`` unary handler
+    is told which socket it serves (``admin=``): its answer depends on the
+    caller there (:mod:`hwr_server.access.views`)."""
     mutating = rpc in MUTATING_ADMIN_RPCS
 
     def check(self: _Base) -> None:
@@ -186,6 +189,8 @@ def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool 
     def unary(self: _Base, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             check(self)
+            if scoped:
+                return func(self.components, _decoded(rpc, request), context, admin=self.admin)
             return func(self.components, _decoded(rpc, request), context)
         except Exception as exc:  # noqa: BLE001 - translated, never swallowed
             # context.abort raises an Exception subclass; let it through.
@@ -234,14 +239,14 @@ class RuntimeServicer(_Base, pb_grpc.RuntimeServicer):
 class AdminServicer(_Base, pb_grpc.AdminServicer):
     """hwr.v1.Admin: what operators call; mutating calls only on the admin socket."""
 
-    ListArtifacts = _handler(rpc_store.list_artifacts, "ListArtifacts")
-    InspectArtifact = _handler(rpc_store.inspect, "InspectArtifact")
+    ListArtifacts = _handler(rpc_store.list_artifacts, "ListArtifacts", scoped=True)
+    InspectArtifact = _handler(rpc_store.inspect, "InspectArtifact", scoped=True)
     VerifyArtifact = _handler(rpc_store.verify, "VerifyArtifact")
     DeleteArtifact = _handler(rpc_store.delete, "DeleteArtifact")
-    ListLeases = _handler(rpc_leases.list_leases, "ListLeases")
+    ListLeases = _handler(rpc_leases.list_leases, "ListLeases", scoped=True)
     CollectGarbage = _handler(rpc_gc.collect, "CollectGarbage")
     GetStats = _handler(rpc_stats.get_stats, "GetStats")
-    ListSources = _handler(rpc_sources.list_records, "ListSources")
+    ListSources = _handler(rpc_sources.list_records, "ListSources", scoped=True)
     ForgetSource = _handler(rpc_sources.forget, "ForgetSource")
     Push = _handler(rpc_remote.push, "Push", replies=True)
     Pull = _handler(rpc_remote.pull, "Pull", replies=True)

@@ -8,6 +8,8 @@ translates to status codes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import TYPE_CHECKING, Iterator
 
@@ -17,6 +19,7 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from hwr_client.core.identity import check_key
 from hwr_server.access.peers import peer_of
+from hwr_server.access.views import Viewer, viewer_of
 from hwr_server.logtext import untrusted
 from hwr_server.publish.limits import RequestPump
 from hwr_server.publish.publication import Publication
@@ -48,7 +51,9 @@ def publish(c: Components, requests: Iterator[pb.PublishRequest], context: grpc.
     if first is None or first.WhichOneof("kind") != "plan":
         raise InvalidArgument("publish: the first message must be a plan")
     pub = Publication.begin(store, first.plan, peer=peer_of(context), is_active=context.is_active)
-    pump = RequestPump(requests, idle_s=float(store.config.publication_idle_s), what=f"publication {pub.pub_id}")
+    pump = RequestPump(requests, idle_s=float(store.config.publication_idle_s), what=f"publication {pub.pub_id}",
+                       min_bytes_per_s=float(store.config.publication_min_bytes_per_s),
+                       size_of=lambda r: len(r.chunk.data) if r.WhichOneof("kind") == "chunk" else 0)
     try:
         yield pb.PublishEvent(accepted=pub.accepted())
         while (req := pump.next()) is not None:
@@ -103,12 +108,16 @@ def report_corruption(c: Components, request: pb.ReportCorruptionRequest, contex
 # -- admin --------------------------------------------------------------------
 
 
-def _summary_proto(c: Components, s: ArtifactSummary) -> pb.ArtifactSummary:
+def _summary_proto(c: Components, s: ArtifactSummary, viewer: Viewer) -> pb.ArtifactSummary:
     count, last, publisher = 0, 0, None
     if s.state == "published":
-        count = len(c.leases.holders(s.key))
-        last = int(c.leases.last_leased(s.key))
+        count = sum(1 for h in c.leases.holders(s.key) if viewer.sees_process(h.pid))
+        last = int(c.leases.last_leased(s.key)) if viewer.everything else 0
         pub = c.store.publisher(s.key)
+        if pub is not None and not viewer.everything and pub.uid != viewer.peer.uid:
+            # Another user's process is theirs to know; the uid stays (it is
+            # what the trust rule decides by).
+            pub = dataclasses.replace(pub, pid=None, program="")
         publisher = pub.to_proto() if pub is not None else None
     return pb.ArtifactSummary(
         key=s.key, state=s.state, contract_name=s.contract_name, contract_version=s.contract_version,
@@ -118,26 +127,29 @@ def _summary_proto(c: Components, s: ArtifactSummary) -> pb.ArtifactSummary:
     )
 
 
-def list_artifacts(c: Components, request: pb.ListArtifactsRequest, context: grpc.ServicerContext
-                   ) -> pb.ListArtifactsReply:
-    """Every published and quarantined artifact, with its lease figures."""
-    return pb.ListArtifactsReply(artifacts=[_summary_proto(c, s) for s in c.store.summaries()])
+def list_artifacts(c: Components, request: pb.ListArtifactsRequest, context: grpc.ServicerContext, *,
+                   admin: bool) -> pb.ListArtifactsReply:
+    """Every published and quarantined artifact, with its lease figures (on
+    the runtime socket, the caller's own: :mod:`hwr_server.access.views`)."""
+    viewer = viewer_of(context, admin=admin)
+    return pb.ListArtifactsReply(artifacts=[_summary_proto(c, s, viewer) for s in c.store.summaries()])
 
 
-def inspect(c: Components, request: pb.InspectArtifactRequest, context: grpc.ServicerContext
-            ) -> pb.InspectArtifactReply:
+def inspect(c: Components, request: pb.InspectArtifactRequest, context: grpc.ServicerContext, *,
+            admin: bool) -> pb.InspectArtifactReply:
     """Summary, stored manifest and lease holders of one artifact (published
-    or quarantined)."""
+    or quarantined); on the runtime socket only the caller's own holders."""
+    viewer = viewer_of(context, admin=admin)
     store = c.store
     key = check_key(request.key)
     q = store.quarantined(key)
     if store.contains(key) or q is None:
         manifest, _ = store.get(key)  # NotFound when neither published nor quarantined
         return pb.InspectArtifactReply(
-            summary=_summary_proto(c, summary_of(manifest)), manifest_json=store.manifest_json(key),
-            leases=[lease_info_pb(h) for h in c.leases.holders(key)],
+            summary=_summary_proto(c, summary_of(manifest), viewer), manifest_json=store.manifest_json(key),
+            leases=[lease_info_pb(h) for h in c.leases.holders(key) if viewer.sees_process(h.pid)],
         )
-    return pb.InspectArtifactReply(summary=_summary_proto(c, q), manifest_json="")
+    return pb.InspectArtifactReply(summary=_summary_proto(c, q, viewer), manifest_json="")
 
 
 def verify(c: Components, request: pb.VerifyArtifactRequest, context: grpc.ServicerContext) -> pb.VerifyArtifactReply:

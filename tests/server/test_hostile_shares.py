@@ -27,7 +27,8 @@ MiB = 1024 * 1024
 # -- per-peer shares (in-process: two distinct peers) ----------------------
 
 
-A, B = Peer(pid=101, uid=1000), Peer(pid=202, uid=1000)
+# Two processes of two users (of one user, the per-uid cap would hold B up too).
+A, B = Peer(pid=101, uid=1000), Peer(pid=202, uid=2000)
 
 
 def _store(tmp_path, **kw) -> Store:

@@ -111,6 +111,9 @@ class TestLease:
     def file_bytes(self, i):
         return self.artifact.file_bytes(i)
 
+    def check_unchanged(self):
+        self.artifact.check_unchanged()
+
     def close(self):
         self.closed += 1
 

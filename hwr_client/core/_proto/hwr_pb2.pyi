@@ -255,30 +255,38 @@ class ReportCorruptionReply(_message.Message):
     def __init__(self, quarantined: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdmitRegistrationRequest(_message.Message):
-    __slots__ = ("session_id", "nbytes", "label", "wait_ms")
+    __slots__ = ("session_id", "nbytes", "label", "wait_ms", "queue_ticket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TICKET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     nbytes: int
     label: str
     wait_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., label: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    queue_ticket: str
+    def __init__(self, session_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., label: _Optional[str] = ..., wait_ms: _Optional[int] = ..., queue_ticket: _Optional[str] = ...) -> None: ...
 
 class AdmitRegistrationReply(_message.Message):
-    __slots__ = ("admitted", "registration_id", "chunk_bytes", "reason", "detail")
+    __slots__ = ("admitted", "registration_id", "chunk_bytes", "reason", "detail", "queue_ticket", "retry_after_ms", "queue_position")
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TICKET_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     admitted: bool
     registration_id: str
     chunk_bytes: int
     reason: str
     detail: str
-    def __init__(self, admitted: _Optional[bool] = ..., registration_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    queue_ticket: str
+    retry_after_ms: int
+    queue_position: int
+    def __init__(self, admitted: _Optional[bool] = ..., registration_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., queue_ticket: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., queue_position: _Optional[int] = ...) -> None: ...
 
 class ReportRegistrationChunkRequest(_message.Message):
     __slots__ = ("session_id", "registration_id", "nbytes", "seconds")
