@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from hwr_client.channel import DEFAULT_TIMEOUT_S
 from hwr_client.channel import call as call_unary
@@ -100,9 +100,14 @@ class RegistrationBroker:
         self.session = session
         self.wait_s = wait_s
 
-    def request(self, nbytes: int, *, label: str = "", wait_s: float | None = None) -> RegistrationGrant:
+    def request(self, nbytes: int, *, label: str = "", wait_s: float | None = None,
+                ranges: Sequence[tuple[str, int, int]] = ()) -> RegistrationGrant:
         """Asks to register ``nbytes``; never raises for a refusal or an
-        unreachable daemon (both answer ``admitted=False``)."""
+        unreachable daemon (both answer ``admitted=False``).
+
+        ``ranges``: the file pages pinned, ``(key, offset, length)`` with
+        lengths summing to ``nbytes`` (see ``PinnedRange`` in the proto):
+        the daemon counts pages other workers pinned already only once."""
         wait = self.wait_s if wait_s is None else wait_s
         if not self.session.usable:
             # Closed, or inherited through fork (its stream is the parent's):
@@ -113,8 +118,9 @@ class RegistrationBroker:
         try:
             sid = self.session.session_id()
             reply = call_unary(self.session.runtime.AdmitRegistration,
-                               pb.AdmitRegistrationRequest(session_id=sid, nbytes=nbytes, label=label,
-                                                           wait_ms=int(max(0.0, wait) * 1000)),
+                               pb.AdmitRegistrationRequest(
+                                   session_id=sid, nbytes=nbytes, label=label, wait_ms=int(max(0.0, wait) * 1000),
+                                   ranges=[pb.PinnedRange(key=k, offset=o, length=n) for k, o, n in ranges]),
                                timeout=wait + DEFAULT_TIMEOUT_S)
         except HwrError as exc:
             log.info("registration of %s (%d bytes): daemon not asked (%s); staging", label, nbytes, exc)

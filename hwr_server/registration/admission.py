@@ -9,7 +9,9 @@ therefore ask first (``AdmitRegistration``), and the daemon enforces:
 
 * a node-wide **budget** of registered bytes
   (``registration_budget_bytes``; 0 = ``registration_budget_fraction`` of
-  ``MemTotal``, default 50 %);
+  ``MemTotal``, default 50 %), counting each (file, byte) once: workers that
+  register the same blob pin the same page-cache pages
+  (:mod:`hwr_server.registration.accounting`);
 * at most ``max_registrations_in_flight`` registrations **in flight** (default
   1, because pinning serializes on driver locks anyway); a request waits for a
   slot at most ``min(wait_ms, registration_max_wait_s)``, then is refused
@@ -43,6 +45,7 @@ from typing import Callable
 
 from hwr_client.core.errors import InvalidArgument
 from hwr_server.config import ServerConfig
+from hwr_server.registration.accounting import PinnedRange, check_ranges, union_bytes
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +94,8 @@ class _Registration:
     #: monotonic start of the chunk not yet reported.
     chunk_started: float = 0.0
     stalled: bool = False
+    #: The pages it pins (empty: ``nbytes`` counted on their own).
+    ranges: tuple[PinnedRange, ...] = ()
 
 
 class RegistrationAdmission:
@@ -133,7 +138,6 @@ class RegistrationAdmission:
         # in-flight slot when one frees or the watchdog trips.
         self._cond = threading.Condition(threading.Lock())
         self._regs: dict[str, _Registration] = {}
-        self._admitted = 0
         self._in_flight = 0
         self._outcomes = {o: 0 for o in ("admitted", *REASONS)}
         self._chunks = 0
@@ -199,13 +203,19 @@ class RegistrationAdmission:
     # -- requests ------------------------------------------------------------------
 
     def admit(self, session_id: str, nbytes: int, *, pid: int, client_name: str = "", label: str = "",
-              wait_s: float = 0.0) -> Admission:
+              wait_s: float = 0.0, ranges: tuple[PinnedRange, ...] = ()) -> Admission:
         """Admits ``nbytes`` for the session, or refuses with a reason.
 
         Order of the checks: session, empty, watchdog, budget, in-flight slot
         (the only one that waits, at most ``min(wait_s, registration_max_wait_s)``;
         the watchdog and the budget are re-checked after every wake-up).
+        The budget counts the node's pinned bytes with ``ranges`` added,
+        each (file, byte) once (:func:`_pinned_locked`).
+
+        Raises:
+            InvalidArgument: ``ranges`` that do not describe ``nbytes``.
         """
+        check_ranges("AdmitRegistration", nbytes, ranges)
         if not self._session_open(session_id):
             return self._refuse(SESSION, "the session is not open (it ended or the daemon restarted); open a new one")
         if nbytes <= 0:
@@ -219,10 +229,12 @@ class RegistrationAdmission:
                     return self._refuse_locked(WATCHDOG, (
                         f"registration {stalled.rid[:6]}… (pid {stalled.pid}) has a chunk running past "
                         f"registration_chunk_timeout_s ({self.chunk_timeout_s:g} s); stage instead"))
-                if self._admitted + nbytes > self.budget:
+                pinned, after = self._pinned_locked(), self._pinned_locked((nbytes, ranges))
+                if after > self.budget:
                     return self._refuse_locked(BUDGET, (
-                        f"{nbytes} bytes asked, {self._admitted} of {self.budget} admitted on this node "
-                        f"(registration_budget_bytes / registration_budget_fraction); stage instead"))
+                        f"{nbytes} bytes asked ({after - pinned} not pinned yet), {pinned} of {self.budget} "
+                        f"admitted on this node (registration_budget_bytes / registration_budget_fraction); "
+                        f"stage instead"))
                 if self._in_flight < self.max_in_flight:
                     break
                 if self._stop.is_set():
@@ -236,12 +248,11 @@ class RegistrationAdmission:
                 # missed notify costs at most the remaining wait.
                 self._cond.wait(timeout=left)
             reg = _Registration(secrets.token_urlsafe(18), session_id, pid, client_name, label, nbytes,
-                                chunk_started=self._clock())
+                                chunk_started=self._clock(), ranges=tuple(ranges))
             self._regs[reg.rid] = reg
-            self._admitted += nbytes
             self._in_flight += 1
             self._outcomes["admitted"] += 1
-            node_admitted = self._admitted
+            node_admitted = after
         # The session may have ended between the first check and the record:
         # its end hook ran before our record existed and freed nothing, so
         # free it here (the same re-check AcquireLease does for deletes).
@@ -308,14 +319,19 @@ class RegistrationAdmission:
             if r is None or r.session_id != session_id:
                 return False
             self._drop_locked(r)
-            left = self._admitted
+            left = self._pinned_locked()
         log.info("registration %s… (pid %d) released (%s): %.2f GiB back, %.2f of %.2f GiB admitted", rid[:6],
                  r.pid, reason, r.nbytes / _GIB, left / _GIB, self.budget / _GIB)
         return True
 
+    def _pinned_locked(self, extra: tuple[int, tuple[PinnedRange, ...]] | None = None) -> int:
+        """The node's pinned bytes (each file byte once), with ``extra``
+        (a request's ``(nbytes, ranges)``) added when given. Holds the lock."""
+        regs = [(r.nbytes, r.ranges) for r in self._regs.values()]
+        return union_bytes(regs + ([extra] if extra is not None else []))
+
     def _drop_locked(self, r: _Registration) -> None:
         del self._regs[r.rid]
-        self._admitted -= r.nbytes
         if r.in_flight:
             self._in_flight -= 1
         self._released += 1
@@ -342,7 +358,10 @@ class RegistrationAdmission:
         with self._cond:
             out: dict[str, float] = {
                 "hwr_registration_budget_bytes": float(self.budget),
-                "hwr_registration_admitted_bytes": float(self._admitted),
+                # Pinned on the node, each file byte once; "requested" sums
+                # every registration's bytes (what per-worker figures add to).
+                "hwr_registration_admitted_bytes": float(self._pinned_locked()),
+                "hwr_registration_requested_bytes": float(sum(r.nbytes for r in self._regs.values())),
                 "hwr_registrations_in_flight": float(self._in_flight),
                 "hwr_registration_chunks_total": float(self._chunks),
                 "hwr_registration_chunk_bytes_total": float(self._chunk_bytes_total),

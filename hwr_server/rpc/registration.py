@@ -15,6 +15,7 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.digests import check_label_text
 from hwr_client.core.errors import InvalidArgument
 from hwr_server.access.peers import peer_of
+from hwr_server.registration.accounting import PinnedRange
 
 if TYPE_CHECKING:
     from hwr_server.components import Components
@@ -36,8 +37,9 @@ def admit(c: Components, request: pb.AdmitRegistrationRequest, context: grpc.Ser
     peer = peer_of(context)
     pid = peer.pid if peer.pid is not None else 0
     who = "anonymous" if peer.pid is None else f"uid {peer.uid}"
+    ranges = tuple(PinnedRange(r.key, int(r.offset), int(r.length)) for r in request.ranges)
     got = c.registration.admit(sid, int(request.nbytes), pid=pid, client_name=who, label=request.label,
-                               wait_s=request.wait_ms / 1000.0)
+                               wait_s=request.wait_ms / 1000.0, ranges=ranges)
     return pb.AdmitRegistrationReply(admitted=got.admitted, registration_id=got.registration_id,
                                      chunk_bytes=got.chunk_bytes, reason=got.reason, detail=got.detail)
 
