@@ -272,7 +272,7 @@ class CudaRegistrar:
     def __init__(self, device: torch.device | None = None, *, maps_text: str | None = None) -> None:
         self._lib: ctypes.CDLL | None = None
         self._index: int | None = device.index if device is not None and device.type == "cuda" else None
-        path = _loaded_cudart_path(maps_text)
+        path = self.runtime_path = _loaded_cudart_path(maps_text)
         if path is not None:
             try:
                 # dlopen of an already-loaded object returns the same handle,
@@ -312,6 +312,22 @@ class CudaRegistrar:
             self.clear_error()
             return None
         return int(value.value)
+
+    def runtime_library(self) -> ctypes.CDLL | None:
+        """The bound libcudart (None: none was found), for diagnostics."""
+        return self._lib
+
+    def raw_attributes(self, index: int) -> dict[str, int | None]:
+        """The host-memory device attributes as the runtime reports them
+        (None: the query failed), for the record of a GPU run."""
+        if self._lib is None:
+            return {}
+        names = {"integrated": ATTR_INTEGRATED, "pageable_memory_access": ATTR_PAGEABLE_MEMORY_ACCESS,
+                 "host_register_supported": ATTR_HOST_REGISTER_SUPPORTED,
+                 "pageable_uses_host_page_tables": ATTR_PAGEABLE_USES_HOST_PAGE_TABLES,
+                 "host_register_read_only_supported": ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED}
+        with self._in_device(index):
+            return {name: self._attr(attr, index) for name, attr in names.items()}
 
     def capability(self, device: torch.device) -> HostCapability:
         """Probes the device's attributes; never raises."""

@@ -269,10 +269,22 @@ def test_workers_share_the_checkpoints_pages(dirs):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_checkpoint_mmap_streams_to_cuda(dirs):
-    """Written for a CUDA node, not run on the CPU-only one it was written on:
-    the mapped files are registered read-only or staged (the transport
-    decides), the blocks stream from the mapping's spans."""
+def test_checkpoint_mmap_streams_to_cuda(dirs, tmp_path, hwrd):
+    """Written for a CUDA node, not run on the CPU-only one it was written
+    on. A checkpoint whose blocks are cut across shards (stitched ranges):
+    the transport is exactly what the code's rule says for this device
+    (registered read-only where it can, else staging through pinned slots),
+    and whatever is pinned went through the daemon's admission."""
+    from dlo_runtime.cuda_host import CudaRegistrar
+    from dlo_runtime.transports import registration_decline_reason
+    from tests.support.registration import stats
+
+    split = _save(str(tmp_path / "split"), torch.bfloat16, shard="20KB")
+    assert any(b.pieces for b in _plan(split).blocks)  # stitched blocks take part
+    device = torch.device("cuda", 0)
+    cap = CudaRegistrar(device).capability(device)
+    want = "staging" if registration_decline_reason(cap) else "registered"
+
     def on_cuda(model):
         inputs = {k: v.to("cuda:0") for k, v in MODELS["flux"][1](torch.bfloat16).items()}
         with torch.no_grad():
@@ -280,9 +292,16 @@ def test_checkpoint_mmap_streams_to_cuda(dirs):
 
     with dlo_runtime.from_pretrained(dirs["bf16"], mode="disabled", device="cuda:0") as lib:
         expected = on_cuda(lib.model)
-    with dlo_runtime.from_pretrained(dirs["bf16"], host_plan="checkpoint-mmap", device="cuda:0",
+    base = stats(hwrd)["hwr_registration_admitted_bytes"]
+    with dlo_runtime.from_pretrained(split, host_plan="checkpoint-mmap", device="cuda:0", socket=hwrd.socket,
                                      progress=False) as loaded:
         assert loaded.report.host_plan == "checkpoint-mmap" and loaded.report.bytes_materialized == 0
         out = on_cuda(loaded.model)
-        assert loaded.backend.transport in ("registered", "staging", "unified")
+        st = loaded.backend.stats
+        assert st.transport == want, (st.reason, cap)
+        pinned = st.registered_bytes + st.pinned_host_bytes
+        if pinned:
+            # Each file page once: pages a stitched range maps again count once.
+            assert base < stats(hwrd)["hwr_registration_admitted_bytes"] <= base + pinned
+    assert stats(hwrd)["hwr_registration_admitted_bytes"] == base
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=0)
