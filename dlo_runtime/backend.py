@@ -277,7 +277,7 @@ class OffloadBackend:
         if not (o.pin_memory and self._pin_host and not self._unified):
             return [torch.empty(n, dtype=torch.uint8) for n in sizes]
         pins = PinnedBuffers(self._registrar, self._cap, sizes, pin=True, broker=broker_for(self._lease),
-                             label=what, limit_gib=o.registration_limit_gib, chunk_bytes=o.chunk_bytes)
+                             label=what, chunk_bytes=o.chunk_bytes)
         self._pins.append(pins)
         self.trail.append(f"pinned:{what}" if pins.pinned else f"pageable:{what}")
         return pins.buffers

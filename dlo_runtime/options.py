@@ -31,9 +31,12 @@ class OffloadOptions:
             never streamed. Default 0.
         pin_memory: the pin policy: False disables host registration and
             pinned staging. Default True.
-        registration_limit_gib: ceiling on host bytes registered with
-            ``cudaHostRegister``, in GiB; 0 means no ceiling (default). A
-            tiny value forces the staging transport on a CUDA node.
+        registration_limit_gib: ceiling on the source's mapped bytes
+            registered with ``cudaHostRegister``, in GiB; 0 means no
+            ceiling (default). A tiny value forces the staging transport on
+            a CUDA node. The backend's own pinned buffers (staging slots,
+            shards, packed blocks) are not counted here: the daemon's
+            budget bounds them (:mod:`dlo_runtime.pinned`).
         registrar: the CUDA host-registration seam; None (default) uses the
             platform's (:func:`~dlo_runtime.cuda_host.default_registrar`).
             Tests pass fakes.
