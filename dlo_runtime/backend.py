@@ -256,12 +256,11 @@ class OffloadBackend:
             # shards and nothing points into the mapping any more.
             lease.close()
             self.trail.append("close_lease")
-        self._choice = TransportChoice(ag.ALLGATHER, f"rank {rank} of {size} keeps 1/{size} of each block "
-                                                     f"({sum(p.shard for p in plans)} of {sum(sizes)} bytes)")
+        kept = f"({sum(p.shard for p in plans)} of {sum(sizes)} bytes)"
+        self._choice = TransportChoice(ag.ALLGATHER, f"rank {rank} of {size} keeps 1/{size} of each block {kept}")
         self.trail.append(f"transport:{ag.ALLGATHER}")
-        self._sequence = ag.SequenceCheck(group, self.device, o.collective_timeout_s,
-                                          [b.name for b in self._blocks], sizes,
-                                          stream=self._cu.Stream(self.device) if self._async else None)
+        self._sequence = ag.SequenceCheck(group, self.device, o.collective_timeout_s, [b.name for b in self._blocks],
+                                          sizes, stream=self._cu.Stream(self.device) if self._async else None)
         buf = max((p.padded for p in plans), default=0)
         self._buffers = [torch.empty(buf, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self._counts = [[0, 0, 0, 0] for _ in self._blocks]
@@ -417,6 +416,9 @@ class OffloadBackend:
             self._drain()
             self._release()
         lease_ranges = self._ranges is not None and self._ranges.active
+        if not getattr(self._engine, "clean", True):
+            ag.orphan(self._pins)  # an undrained collective's H2D may still read them: stay pinned
+            self._pins = []
         # After the drain: no copy reads the mapping or these buffers any more.
         for ranges in ([self._ranges] if lease_ranges else []) + [p.ranges for p in reversed(self._pins) if p.pinned]:
             try:
