@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from bench.gpu import runner
 from tests.support.paths import REPO_DIR
@@ -138,3 +139,27 @@ def test_summary_fails_on_a_failed_check_a_step_a_disagreeing_probe_or_all_skipp
     (tmp_path / "junit.xml").write_text(
         '<testsuites><testsuite tests="5" failures="0" errors="0" skipped="5"/></testsuites>')
     assert not runner.summarise(str(tmp_path), ok)["ok"]
+
+
+def _gone(pid: int) -> bool:
+    """Dead: no such process, or a zombie waiting for its reaper."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_a_step_out_of_time_is_killed_with_every_process_it_started(tmp_path):
+    child = ("import subprocess, sys, time; "
+             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+             "print('grandchild', p.pid, flush=True); time.sleep(120)")
+    log_path = tmp_path / "log"
+    with open(log_path, "w") as log:
+        row = runner._run_step(runner.Step("slow", (sys.executable, "-c", child), 3), log)
+    assert row["rc"] == "timeout after 3 s" and not row["ok"]
+    pid = int(log_path.read_text().split("grandchild ")[1].split()[0])
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(pid), "the step's own child survived it"
