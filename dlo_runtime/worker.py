@@ -275,6 +275,8 @@ def _start_resident(opts: WorkerOptions, contract: Contract, phases: _Phases) ->
     contract.canonical_load(model, opts.checkpoint)
     contract.finalize(model)
     check_no_meta(model)
+    # Resident on the compute device: forward() moves the inputs there.
+    model.to(torch.device(opts.device))
     phases.mark("canonical_load")
     return Worker(opts, contract, model, StartupReport(Outcome.DISABLED.value))
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from hwr_client.channel import DEFAULT_TIMEOUT_S
 from hwr_client.channel import call as call_unary
@@ -106,9 +106,14 @@ class RegistrationBroker:
         self.session = session
         self.wait_s = wait_s
 
-    def request(self, nbytes: int, *, label: str = "", wait_s: float | None = None) -> RegistrationGrant:
+    def request(self, nbytes: int, *, label: str = "", wait_s: float | None = None,
+                ranges: Sequence[tuple[str, int, int]] = ()) -> RegistrationGrant:
         """Asks to register ``nbytes``; never raises for a refusal or an
-        unreachable daemon (both answer ``admitted=False``)."""
+        unreachable daemon (both answer ``admitted=False``).
+
+        ``ranges``: the file pages pinned, ``(key, offset, length)`` with
+        lengths summing to ``nbytes`` (see ``PinnedRange`` in the proto):
+        the daemon counts pages other workers pinned already only once."""
         wait = self.wait_s if wait_s is None else wait_s
         if not self.session.usable:
             # Closed, or inherited through fork (its stream is the parent's):
@@ -117,7 +122,7 @@ class RegistrationBroker:
             log.info("registration of %s (%d bytes): %s; staging", label, nbytes, detail)
             return RegistrationGrant(False, "", nbytes, (), UNREACHABLE, detail)
         try:
-            reply = self._ask(nbytes, label, wait)
+            reply = self._ask(nbytes, label, wait, ranges)
         except HwrError as exc:
             log.info("registration of %s (%d bytes): daemon not asked (%s); staging", label, nbytes, exc)
             return RegistrationGrant(False, "", nbytes, (), UNREACHABLE, str(exc))
@@ -128,7 +133,8 @@ class RegistrationBroker:
         return RegistrationGrant(True, reply.registration_id, nbytes, plan_chunks(nbytes, int(reply.chunk_bytes)),
                                  chunk_bytes=int(reply.chunk_bytes))
 
-    def _ask(self, nbytes: int, label: str, wait: float) -> pb.AdmitRegistrationReply:
+    def _ask(self, nbytes: int, label: str, wait: float,
+             ranges: Sequence[tuple[str, int, int]] = ()) -> pb.AdmitRegistrationReply:
         """AdmitRegistration, asked again with the ticket while the daemon
         answers "queued" and ``wait`` lasts. The daemon never holds a call
         open for the wait (it answers at once), so each ask is a short call;
@@ -140,11 +146,13 @@ class RegistrationBroker:
         sid = self.session.session_id()
         deadline = time.monotonic() + max(0.0, wait)
         ticket = ""
+        pinned = [pb.PinnedRange(key=k, offset=o, length=n) for k, o, n in ranges]
         while True:
             left = max(0.0, deadline - time.monotonic())
             reply = call_unary(self.session.runtime.AdmitRegistration,
                                pb.AdmitRegistrationRequest(session_id=sid, nbytes=nbytes, label=label,
-                                                           wait_ms=int(left * 1000), queue_ticket=ticket),
+                                                           wait_ms=int(left * 1000), queue_ticket=ticket,
+                                                           ranges=pinned),
                                timeout=DEFAULT_TIMEOUT_S)
             if reply.admitted or reply.reason != QUEUED:
                 return reply

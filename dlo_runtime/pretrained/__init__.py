@@ -319,7 +319,7 @@ def from_pretrained(
                 preflight(skeleton, files.weights, contract.blocks(skeleton),
                           transforms=("fuse_qkv",) if fuse_qkv else ()))
         if plan.accepted:
-            return _checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0)
+            return _checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0, socket=socket)
         if host_plan == "checkpoint-mmap":
             raise FailedPrecondition(f"{files.directory}: host_plan='checkpoint-mmap' refused by preflight: "
                                      f"{plan.reason}; use host_plan='auto' to fall back to HWR")
@@ -408,7 +408,7 @@ def from_pretrained(
 
 
 def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: HostWeightPlan, device: Any,
-                     resident_blocks: int, t0: float) -> LoadedModel:
+                     resident_blocks: int, t0: float, *, socket: str | None = None) -> LoadedModel:
     """An accepted plan: runtime tensors are read-only views of the
     checkpoint's mapping; DLO streams each block's span (or, with no
     device, every block stays resident on those views). Nothing published."""
@@ -417,7 +417,11 @@ def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: Ho
     from dlo_runtime.restore import finalize_shared
 
     mapping = CheckpointMapping(plan)
+    # On a CUDA device the blocks' pages may be registered: under the node
+    # daemon's admission when one answers (nothing else is asked of it).
+    client = _admission_client(socket) if device is not None and torch.device(device).type == "cuda" else None
     try:
+        mapping.session = client.session() if client is not None else None
         mapping.bind(skeleton)
         check_loaded(skeleton, contract.name)
         # eval / no grad must be byte- and pointer-neutral on the views (read-only: pointers prove it).
@@ -432,11 +436,26 @@ def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: Ho
         backend = OffloadBackend(skeleton, found, options, source=mapping).start()
     except BaseException:
         mapping.close()
+        if client is not None:
+            client.close()
         raise
     if device is not None:
         _block_report(skeleton, found[options.resident_blocks:], report)
     report.seconds = {"total": round(time.perf_counter() - t0, 6)}
-    return LoadedModel(skeleton, report, backend=backend, contract=contract)
+    return LoadedModel(skeleton, report, backend=backend, client=client, contract=contract)
+
+
+def _admission_client(socket: str | None) -> Any:
+    """A daemon client for registration admission, or None when no daemon
+    listens (the registration then proceeds unaccounted, as for any
+    source without a session)."""
+    import hwr_client
+
+    client = hwr_client.connect(socket)
+    if daemon_absent(client.socket):
+        client.close()
+        return None
+    return client
 
 
 def _fallback(files: ModelFiles, cls: Any, dtype: torch.dtype, device: Any, blocks: Any, resident_blocks: int,

@@ -9,7 +9,9 @@ therefore ask first (``AdmitRegistration``), and the daemon enforces:
 
 * a node-wide **budget** of registered bytes
   (``registration_budget_bytes``; 0 = ``registration_budget_fraction`` of
-  ``MemTotal``, default 50 %);
+  ``MemTotal``, default 50 %), counting each (file, byte) once: workers that
+  register the same blob pin the same page-cache pages
+  (:mod:`hwr_server.registration.accounting`);
 * a **per-uid share** of it: the registrations of one uid together hold at
   most ``registration_uid_share`` of the budget (default 50 %; root and the
   daemon's own uid are not capped), so one user reporting fake chunks
@@ -60,6 +62,7 @@ from typing import Callable
 from hwr_client.core.errors import InvalidArgument
 from hwr_server.config import ServerConfig
 from hwr_server.logtext import untrusted
+from hwr_server.registration.accounting import PinnedRange, check_ranges, union_bytes
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +136,8 @@ class _Registration:
     #: monotonic start of the chunk not yet reported.
     chunk_started: float = 0.0
     stalled: bool = False
+    #: The pages it pins (empty: ``nbytes`` counted on their own).
+    ranges: tuple[PinnedRange, ...] = ()
 
 
 class RegistrationAdmission:
@@ -183,7 +188,6 @@ class RegistrationAdmission:
         self._regs: dict[str, _Registration] = {}
         #: Queued requests by ticket, oldest first (dicts keep insertion order).
         self._queue: dict[str, _Waiter] = {}
-        self._admitted = 0
         self._in_flight = 0
         self._outcomes = {o: 0 for o in ("admitted", *REASONS)}
         self._chunks = 0
@@ -252,12 +256,14 @@ class RegistrationAdmission:
 
     def admit(self, session_id: str, nbytes: int, *, pid: int, uid_key: str = "anonymous",
               privileged: bool = False, client_name: str = "", label: str = "", wait_s: float = 0.0,
-              ticket: str = "") -> Admission:
+              ticket: str = "", ranges: tuple[PinnedRange, ...] = ()) -> Admission:
         """Admits ``nbytes`` for the session, queues the request, or refuses
         it with a reason. Never waits.
 
         Order of the checks: session, empty, this session's stalled chunk
-        (watchdog), node budget, the uid's share (unless ``privileged``),
+        (watchdog), node budget (the node's pinned bytes with ``ranges``
+        added, each file byte once: :meth:`_pinned_locked`), the uid's share
+        (unless ``privileged``),
         then the in-flight slot: free and nobody queued ahead, admitted;
         otherwise queued (a ticket; ask again after ``retry_after_ms``)
         while ``min(wait_s, registration_max_wait_s)`` lasts and the uid has
@@ -268,7 +274,13 @@ class RegistrationAdmission:
             privileged: root or the daemon's uid: no uid share.
             wait_s: how long the request may stay queued (a first request).
             ticket: the ticket of an earlier "queued" answer.
+            ranges: the file pages the registration pins (empty: ``nbytes``
+                counted on their own).
+
+        Raises:
+            InvalidArgument: ``ranges`` that do not describe ``nbytes``.
         """
+        check_ranges("AdmitRegistration", nbytes, ranges)
         if not self._session_open(session_id):
             return self._refuse(SESSION, "the session is not open (it ended or the daemon restarted); open a new one")
         if nbytes <= 0:
@@ -280,7 +292,7 @@ class RegistrationAdmission:
             waiter = self._queue.get(ticket) if ticket else None
             if waiter is not None and waiter.session_id != session_id:
                 waiter = None  # another session's ticket: not this request's place
-            refusal = self._refusal_locked(session_id, nbytes, uid_key, privileged)
+            refusal = self._refusal_locked(session_id, nbytes, uid_key, privileged, ranges)
             if refusal is not None:
                 self._drop_waiter_locked(waiter)
                 return self._refuse_locked(*refusal)
@@ -292,13 +304,13 @@ class RegistrationAdmission:
                 return self._queue_locked(waiter, session_id, uid_key, ahead, now, wait_s,
                                           capped=not privileged, had_ticket=bool(ticket))
             self._drop_waiter_locked(waiter)
+            after = self._pinned_locked((nbytes, ranges))
             reg = _Registration(secrets.token_urlsafe(18), session_id, pid, uid_key, client_name, label, nbytes,
-                                chunk_started=now)
+                                chunk_started=now, ranges=tuple(ranges))
             self._regs[reg.rid] = reg
-            self._admitted += nbytes
             self._in_flight += 1
             self._outcomes["admitted"] += 1
-            node_admitted = self._admitted
+            node_admitted = after
         # The session may have ended between the first check and the record:
         # its end hook ran before our record existed and freed nothing, so
         # free it here (the same re-check AcquireLease does for deletes).
@@ -311,19 +323,23 @@ class RegistrationAdmission:
                  self.chunk_bytes / _GIB, node_admitted / _GIB, self.budget / _GIB)
         return Admission(True, reg.rid, self.chunk_bytes)
 
-    def _refusal_locked(self, session_id: str, nbytes: int, uid_key: str,
-                        privileged: bool) -> tuple[str, str] | None:
+    def _refusal_locked(self, session_id: str, nbytes: int, uid_key: str, privileged: bool,
+                        ranges: tuple[PinnedRange, ...] = ()) -> tuple[str, str] | None:
         """(reason, detail) of a refusal by the watchdog or a budget, or None."""
         stalled = self._stalled_locked(session_id)
         if stalled is not None:
             return WATCHDOG, (f"this session's registration {stalled.rid[:6]}… has a chunk running past "
                               f"registration_chunk_timeout_s ({self.chunk_timeout_s:g} s); stage instead")
-        if self._admitted + nbytes > self.budget:
-            return BUDGET, (f"{nbytes} bytes asked, {self._admitted} of {self.budget} admitted on this node "
-                            "(registration_budget_bytes / registration_budget_fraction); stage instead")
+        pinned, after = self._pinned_locked(), self._pinned_locked((nbytes, ranges))
+        if after > self.budget:
+            return BUDGET, (f"{nbytes} bytes asked ({after - pinned} not pinned yet), {pinned} of {self.budget} "
+                            "admitted on this node (registration_budget_bytes / registration_budget_fraction); "
+                            "stage instead")
         if not privileged:
-            held = sum(r.nbytes for r in self._regs.values() if r.uid_key == uid_key)
-            if held + nbytes > self.uid_cap:
+            # The uid's pages, each file byte once, as for the node's budget.
+            mine = [(r.nbytes, r.ranges) for r in self._regs.values() if r.uid_key == uid_key]
+            held, with_this = union_bytes(mine), union_bytes(mine + [(nbytes, ranges)])
+            if with_this > self.uid_cap:
                 return BUDGET, (f"{nbytes} bytes asked, {held} admitted to {uid_key}; one uid may hold at most "
                                 f"{self.uid_cap} bytes ({self.uid_share:g} of the budget: registration_uid_share); "
                                 "stage instead")
@@ -436,14 +452,19 @@ class RegistrationAdmission:
             if r is None or r.session_id != session_id:
                 return False
             self._drop_locked(r)
-            left = self._admitted
+            left = self._pinned_locked()
         log.info("registration %s… (pid %d) released (%s): %.2f GiB back, %.2f of %.2f GiB admitted", rid[:6],
                  r.pid, reason, r.nbytes / _GIB, left / _GIB, self.budget / _GIB)
         return True
 
+    def _pinned_locked(self, extra: tuple[int, tuple[PinnedRange, ...]] | None = None) -> int:
+        """The node's pinned bytes (each file byte once), with ``extra``
+        (a request's ``(nbytes, ranges)``) added when given. Holds the lock."""
+        regs = [(r.nbytes, r.ranges) for r in self._regs.values()]
+        return union_bytes(regs + ([extra] if extra is not None else []))
+
     def _drop_locked(self, r: _Registration) -> None:
         del self._regs[r.rid]
-        self._admitted -= r.nbytes
         if r.in_flight:
             self._in_flight -= 1
         self._released += 1
@@ -469,7 +490,10 @@ class RegistrationAdmission:
         with self._lock:
             out: dict[str, float] = {
                 "hwr_registration_budget_bytes": float(self.budget),
-                "hwr_registration_admitted_bytes": float(self._admitted),
+                # Pinned on the node, each file byte once; "requested" sums
+                # every registration's bytes (what per-worker figures add to).
+                "hwr_registration_admitted_bytes": float(self._pinned_locked()),
+                "hwr_registration_requested_bytes": float(sum(r.nbytes for r in self._regs.values())),
                 "hwr_registrations_in_flight": float(self._in_flight),
                 "hwr_registration_chunks_total": float(self._chunks),
                 "hwr_registration_chunk_bytes_total": float(self._chunk_bytes_total),

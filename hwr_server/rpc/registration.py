@@ -16,6 +16,7 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.digests import check_label_text
 from hwr_client.core.errors import InvalidArgument
 from hwr_server.access.peers import peer_of, privileged
+from hwr_server.registration.accounting import PinnedRange
 
 if TYPE_CHECKING:
     from hwr_server.components import Components
@@ -40,9 +41,10 @@ def admit(c: Components, request: pb.AdmitRegistrationRequest, context: grpc.Ser
     # see it in the per-worker figures. Shares are counted per uid.
     peer = peer_of(context)
     pid = peer.pid if peer.pid is not None else 0
+    ranges = tuple(PinnedRange(r.key, int(r.offset), int(r.length)) for r in request.ranges)
     got = c.registration.admit(sid, int(request.nbytes), pid=pid, uid_key=peer.uid_key, privileged=privileged(peer),
                                client_name=peer.uid_key, label=request.label, wait_s=request.wait_ms / 1000.0,
-                               ticket=request.queue_ticket)
+                               ticket=request.queue_ticket, ranges=ranges)
     return pb.AdmitRegistrationReply(admitted=got.admitted, registration_id=got.registration_id,
                                      chunk_bytes=got.chunk_bytes, reason=got.reason, detail=got.detail,
                                      queue_ticket=got.ticket, retry_after_ms=got.retry_after_ms,

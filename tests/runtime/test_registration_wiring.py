@@ -148,6 +148,25 @@ def test_admitted_registration_is_chunked_reported_and_returned(node, monkeypatc
         assert done["hwr_registrations_released_total"] == before["hwr_registrations_released_total"] + 1
 
 
+def test_data_parallel_workers_of_one_lease_are_counted_once(node):
+    """Two workers (two sessions) register the same published blobs: the
+    daemon's node figure is ONE copy of the lease, each worker's own figure
+    the whole lease (finding 7: the driver pins the same page-cache pages)."""
+    d, ref, key = node
+    with _worker(d, key) as (client_a, lease_a, skel_a), _worker(d, key) as (client_b, lease_b, skel_b):
+        base = _stats(d)["hwr_registration_admitted_bytes"]
+        handles = [_offload(skel, lease, FakeRegistrar()) for skel, lease in ((skel_a, lease_a), (skel_b, lease_b))]
+        assert [h.stats.transport for h in handles] == [REGISTERED, REGISTERED]
+        s = _stats(d)
+        total = _total(lease_a)
+        assert s["hwr_registration_admitted_bytes"] == base + total
+        assert _worker_bytes(s, client_a) == total and _worker_bytes(s, client_b) == total
+        handles[0].close()
+        assert _stats(d)["hwr_registration_admitted_bytes"] == base + total  # b still pins them all
+        handles[1].close()
+        assert _stats(d)["hwr_registration_admitted_bytes"] == base
+
+
 def test_over_budget_stages_without_a_registrar_call(node):
     d, ref, key = node
     with _worker(d, key) as (client, lease, skel), d.client() as other:

@@ -255,18 +255,30 @@ class ReportCorruptionReply(_message.Message):
     def __init__(self, quarantined: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdmitRegistrationRequest(_message.Message):
-    __slots__ = ("session_id", "nbytes", "label", "wait_ms", "queue_ticket")
+    __slots__ = ("session_id", "nbytes", "label", "wait_ms", "queue_ticket", "ranges")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TICKET_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     nbytes: int
     label: str
     wait_ms: int
     queue_ticket: str
-    def __init__(self, session_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., label: _Optional[str] = ..., wait_ms: _Optional[int] = ..., queue_ticket: _Optional[str] = ...) -> None: ...
+    ranges: _containers.RepeatedCompositeFieldContainer[PinnedRange]
+    def __init__(self, session_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., label: _Optional[str] = ..., wait_ms: _Optional[int] = ..., queue_ticket: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[PinnedRange, _Mapping]]] = ...) -> None: ...
+
+class PinnedRange(_message.Message):
+    __slots__ = ("key", "offset", "length")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    length: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class AdmitRegistrationReply(_message.Message):
     __slots__ = ("admitted", "registration_id", "chunk_bytes", "reason", "detail", "queue_ticket", "retry_after_ms", "queue_position")
