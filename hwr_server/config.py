@@ -75,6 +75,13 @@ class RemoteConfig:
     #: stores nothing. Empty (default): pulls are not checked for
     #: signatures; the configured registry is trusted (README "Trust").
     trusted_keys: list[str] = dataclasses.field(default_factory=list)
+    #: Devices whose compile artifacts a pull of a weight artifact brings
+    #: along (its OCI referrers; hwr_server.remote.companions): "*" every
+    #: device, a kind ("cpu", "cuda": every capability) or an exact
+    #: "kind:capability" ("cuda:9.0", "cpu:avx512"); [] = none. Default ["*"]:
+    #: they are small next to weights. A worker's own miss of a compile
+    #: artifact still pulls it by its key.
+    compile_devices: list[str] = dataclasses.field(default_factory=lambda: ["*"])
 
     @classmethod
     def from_mapping(cls, doc: Any, *, what: str) -> "RemoteConfig":

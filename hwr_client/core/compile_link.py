@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from hwr_client.core.identity import Identity
 
@@ -106,7 +106,7 @@ def device_label(device: Mapping[str, Any]) -> str:
     return f"{kind}:{cap}" if isinstance(cap, str) and cap and _DEVICE_PART.match(cap) else kind
 
 
-def device_matches(label: str, patterns: tuple[str, ...] | list[str]) -> bool:
+def device_matches(label: str, patterns: Iterable[str]) -> bool:
     """True when a device label (:func:`device_label`) is selected by
     ``patterns``: ``"*"`` (every device), a kind (``"cuda"``: every
     capability) or an exact ``kind:capability``."""

@@ -72,8 +72,10 @@ from hwr_server.access.publisher import UNRECORDED, pulled
 from hwr_server.access.trust import TrustPolicy
 from hwr_server.config import ServerConfig
 from hwr_server.interfaces import RemoteStore
+from hwr_server.remote import companions
 from hwr_server.remote.oci import (
-    MANIFEST_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES, build_oci_manifest, check_config, digest_of, parse_oci_manifest,
+    KEY_ANNOTATION, MANIFEST_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES, build_oci_manifest, check_config, digest_of,
+    parse_oci_manifest,
 )
 from hwr_server.remote.registry import Reference, RegistryClient, client_for, parse_reference
 from hwr_server.remote.signatures import sign, signing_key_of, verify_pull
@@ -250,6 +252,8 @@ class Remote:
             raise
         self._count("pushes")
         self._count("push_bytes", out.bytes_transferred)
+        # The weights' compile artifacts go with them, as their referrers.
+        companions.push_companions(lambda k, r: self.push(k, r), self.store, key, ref)
         return out
 
     def _push(self, key: str, ref: Reference, tag: str, progress: ProgressFn) -> Transfer:
@@ -259,9 +263,12 @@ class Remote:
         rem = self.config.remote
         private = signing_key_of(rem.signing_key)  # an unfit key fails the push before any upload
         config = self.store.manifest_json(key).encode("utf-8")
-        oci = build_oci_manifest(manifest, config)
         client = self.client(ref.host)
         repo = ref.repository
+        # A compile artifact names its weights' manifest as its subject (a referrer).
+        subject = companions.subject_of(self.store, client, repo, manifest)
+        notes = companions.annotations_of(manifest)
+        oci = build_oci_manifest(manifest, config, subject=subject, extra_annotations=notes)
         layers = list({f.blob: (f, p) for f, p in zip(manifest.files, paths)}.values())
         counter = _Counter(sum(f.size for f, _ in layers), len(layers), progress)
         sent = [0, 0]  # bytes, layers
@@ -295,6 +302,9 @@ class Remote:
         if digest and digest != digest_of(oci):
             raise FailedPrecondition(f"push {ref.host}/{repo}:{tag}: the registry names the manifest {digest}, "
                                      f"its bytes hash to {digest_of(oci)}")
+        if subject is not None:
+            companions.index_referrer(client, repo, oci, subject, {**notes, KEY_ANNOTATION: key,
+                                                                   "org.hwr.contract": companions.COMPILE_TAG})
         signed = sign(client, repo, subject=oci, key=key, private=private) if private else None
         seconds = time.monotonic() - t0
         log.info("pushed %s to %s/%s:%s: %d of %d layers, %d bytes in %.2f s", key[:12], ref.host, repo, tag,
@@ -367,8 +377,13 @@ class Remote:
         if key:
             # The key is known before the registry is asked: join a pull in
             # flight before even fetching the manifest.
-            return self._flight(key, progress, lambda p: self._fetch_and_commit(ref, p, t0, key))
-        return self._fetch_and_commit(ref, progress, t0, "")
+            done = self._flight(key, progress, lambda p: self._fetch_and_commit(ref, p, t0, key))
+        else:
+            done = self._fetch_and_commit(ref, progress, t0, "")
+        # A weight artifact's compile artifacts for this node's devices come along.
+        companions.pull_companions(lambda r: self.pull(r), self.store, self.client(ref.host), ref, done.key,
+                                   done.manifest_digest, self.config.remote.compile_devices)
+        return done
 
     def _flight(self, key: str, progress: ProgressFn, work: Callable[[ProgressFn], Transfer]) -> Transfer:
         with self._lock:

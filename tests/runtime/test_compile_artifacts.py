@@ -21,6 +21,8 @@ pytest.importorskip("transformers")
 
 from hwr_client.core.compile_link import COMPILE_CONTRACT  # noqa: E402
 from tests.support.daemon import cleanup, make_daemon  # noqa: E402
+from tests.support.oci_nodes import push  # noqa: E402
+from tests.support.oci_registry import make_registry, remote_config  # noqa: E402
 from tests.support.paths import REPO_DIR  # noqa: E402
 from tests.support.real_models import save_model  # noqa: E402
 
@@ -140,6 +142,39 @@ def test_gc_collects_compile_artifacts_like_any_unleased_artifact(node, cold, wa
     plan = json.loads(node.cli("gc", "--dry-run", "--target", "1", "--json", check=True).stdout)
     names = [i["name"] for i in plan["items"] if i["kind"] == "artifact"]
     assert any(cold["compile"]["key"].startswith(n) or n.startswith(cold["compile"]["key"][:12]) for n in names)
+
+
+def test_push_pull_and_a_warm_compile_on_a_second_daemon(model_dir, node, cold, warm, tmp_path_factory):
+    """Node A pushes the weights (their compile artifact goes along as a
+    referrer); node B's required worker misses the weights, B pulls them on
+    the miss and their compile artifact with them; the worker restores it
+    and computes the cold output bit for bit without compiling."""
+    tmp = tmp_path_factory.mktemp("cross")
+    reg = make_registry(str(tmp / "registry"))
+    second = None
+    try:
+        repo = "hwr/compile"
+        # Node A again on its root, now able to reach the loopback registry (plain HTTP).
+        node.stop()
+        node.extra_args = ["--config", remote_config(str(tmp / "a.toml"), registry=reg.host, repository=repo)]
+        node.start()
+        weights = [r["key"] for r in artifacts(node) if r["contract_name"] != COMPILE_CONTRACT][0]
+        push(node, weights, f"{reg.host}/{repo}")
+        (tmp / "b").mkdir()
+        second = make_daemon(tmp / "b", "--config", remote_config(str(tmp / "b.toml"), registry=reg.host,
+                                                                  repository=repo, pull_on_miss=True)).start()
+        got = run_worker(model_dir, second, "--mode", "required")
+        rep = got["compile"]
+        assert got["outcome"] == "LOCAL_HIT" and rep["status"] == "hit", rep
+        assert rep["key"] == cold["compile"]["key"] and got["sha"] == cold["sha"]
+        assert got["inductor"].get("fxgraph_cache_miss", 0) == 0 and len(got["folder_files"]) == rep["files"]
+        # The kernels came with the weights' pull on the miss (as their referrer), before the compile lookup.
+        assert f"pull of {weights[:12]}: 1 compile artifact(s)" in second.log()
+        assert {r["key"] for r in compile_rows(second)} == {rep["key"]}
+    finally:
+        if second is not None:
+            cleanup(second)
+        reg.stop()
 
 
 def _corrupt(node, key: str) -> None:
