@@ -57,7 +57,8 @@ def plan(out_dir: str, python: str = sys.executable) -> list[Step]:
                               "--workers", "2", "--repeat", "1", "--out", os.path.join(out, "startup_cuda.json")),
              100, os.path.join(out, "startup_cuda.json")),
         # Time to the first compiled output (cold / HWR compile artifact / local warm), FLUX-shaped and an LLM.
-        Step("compile_cuda", (python, "bench/compile_start.py", "--device", "cuda", "--models", "flux", "--out",
+        Step("compile_cuda", (python, "bench/compile_start.py", "--device", "cuda", "--models", "flux", "--repeat", "1",
+                              "--out",
                               os.path.join(out, "compile_start_cuda.json")), 150,
              os.path.join(out, "compile_start_cuda.json")),
     ]

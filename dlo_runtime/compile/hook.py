@@ -97,10 +97,10 @@ class _FirstCall:
                 assert res.error is not None
                 raise res.error
             cold_s = self._restore(res, folder.path) if res.hit else None  # 3.
+            out = self._timed_call(args, kwargs, settle=False)  # 4.
         except BaseException:
             client.close()
             raise
-        out = self._timed_call(args, kwargs, settle=False)  # 4.
         if res.hit or isinstance(res.error, Unavailable):
             if cold_s is not None:
                 self._hit_seconds(cold_s)

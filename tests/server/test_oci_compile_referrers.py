@@ -91,6 +91,10 @@ def test_weights_push_carries_compile_referrers_and_pull_takes_the_nodes_devices
     assert keys_of(b) == {weights, cpu}
     rows = {r["key"]: r for r in json.loads(b.cli("ls", "--json", check=True).stdout)}
     assert rows[cpu]["belongs_to"]["weights_key"] == weights and rows[weights]["belongs_to"] is None
+    shown = json.loads(b.cli("inspect", cpu, "--json", check=True).stdout)["compile"]
+    assert shown["belongs_to"] == {"weights_key": weights, "config_id": "", "device": "cpu:avx512",
+                                   "model": "transformers:LlamaForCausalLM"}
+    assert "compiled for       weights " + weights[:16] in b.cli("inspect", cpu, check=True).stdout
     # A node with the default (every device) that misses the weights at a
     # worker's resolve pulls them and both compile artifacts.
     c = nodes(repo, pull_on_miss=True)
