@@ -22,9 +22,9 @@ def test_compile_start_bench_quick(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "compile_start.json"
     env = dict(os.environ, PYTHONPATH=REPO_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(REPO_DIR, "bench", "compile_start.py"), "--quick", "--models",
-                           "llm", "--repeat", "1", "--out", str(out), "--dir", str(tmp_path)], capture_output=True, text=True, env=env,
-                          timeout=1500)
+    cmd = [sys.executable, os.path.join(REPO_DIR, "bench", "compile_start.py"), "--quick", "--models", "llm",
+           "--repeat", "1", "--out", str(out), "--dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     (res,) = doc["results"]
