@@ -6,10 +6,9 @@
 # Runs every CUDA test (pytest -m cuda, which includes host registration
 # through a real daemon's admission: tests/runtime/test_registration_wiring.py),
 # bench/dlo_gpu.py (--quick sizes plus one 4 GiB disk-file registration, cold
-# and pre-faulted), the CUDA rows of bench/startup.py and bench/compile_start.py
-# --device cuda (FLUX-shaped: cold / HWR compile artifact / local warm); JSON and logs go to
+# and pre-faulted) and the CUDA rows of bench/startup.py; JSON and logs go to
 # OUT_DIR (default bench/results/gpu-<timestamp>), a summary table to stdout;
-# the exit status is non-zero when any step or check failed. Budget: < 9
+# the exit status is non-zero when any step or check failed. Budget: < 6
 # minutes on one H200.
 #
 # Interpreter: the machine's own python3 with PYTHONPATH=. when the project's
@@ -25,7 +24,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY="--dry-run"; shift ;;
     --wheelhouse) WHEELHOUSE="${2:?--wheelhouse needs a directory}"; shift 2 ;;
     --wheelhouse=*) WHEELHOUSE="${1#*=}"; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     -*) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) [ -z "$OUT" ] || { echo "run.sh: one OUT_DIR only" >&2; exit 2; }; OUT="$1"; shift ;;
   esac

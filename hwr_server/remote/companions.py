@@ -95,6 +95,13 @@ def subject_of(store: CompanionStore, client: RegistryClient, repository: str,
     return {"mediaType": MANIFEST_MEDIA_TYPE, "digest": digest_of(data), "size": len(data)}
 
 
+def index_annotations(key: str, notes: Mapping[str, str]) -> dict[str, str]:
+    """What a fallback index entry of compile artifact ``key`` carries:
+    ``notes`` (:func:`annotations_of`), its key and contract (what
+    :func:`find` selects by; the referrers API copies the manifest's own)."""
+    return {**notes, KEY_ANNOTATION: key, CONTRACT_ANNOTATION: COMPILE_TAG}
+
+
 def index_referrer(client: RegistryClient, repository: str, oci: bytes, subject: Mapping[str, Any],
                    annotations: Mapping[str, str]) -> str:
     """Makes the pushed manifest ``oci`` findable from its subject: the
@@ -201,5 +208,5 @@ def pull_companions(pull: Callable[[str], Any], store: CompanionStore, client: R
 
 
 __all__ = ["COMPILE_TAG", "CompanionStore", "DEVICE_ANNOTATION", "MAX_COMPANIONS", "WEIGHTS_ANNOTATION",
-           "annotations_of", "companions_of", "find", "index_referrer", "pull_companions", "push_companions",
+           "annotations_of", "companions_of", "find", "index_annotations", "index_referrer", "pull_companions", "push_companions",
            "subject_of"]

@@ -72,10 +72,8 @@ from hwr_server.access.publisher import UNRECORDED, pulled
 from hwr_server.access.trust import TrustPolicy
 from hwr_server.config import ServerConfig
 from hwr_server.interfaces import RemoteStore
-from hwr_server.remote import companions
 from hwr_server.remote.oci import (
-    KEY_ANNOTATION, MANIFEST_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES, build_oci_manifest, check_config, digest_of,
-    parse_oci_manifest,
+    MANIFEST_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES, build_oci_manifest, check_config, digest_of, parse_oci_manifest,
 )
 from hwr_server.remote.registry import Reference, RegistryClient, client_for, parse_reference
 from hwr_server.remote.signatures import sign, signing_key_of, verify_pull
@@ -84,6 +82,7 @@ from hwr_server.remote.transfer import download_layer, link_stored, run_all
 from hwr_server.store import commit as durable
 from hwr_server.store.recovery import verify_artifact
 from hwr_server.store.staging_io import os_error
+from hwr_server.remote import companions
 
 log = logging.getLogger(__name__)
 
@@ -303,8 +302,7 @@ class Remote:
             raise FailedPrecondition(f"push {ref.host}/{repo}:{tag}: the registry names the manifest {digest}, "
                                      f"its bytes hash to {digest_of(oci)}")
         if subject is not None:
-            companions.index_referrer(client, repo, oci, subject, {**notes, KEY_ANNOTATION: key,
-                                                                   "org.hwr.contract": companions.COMPILE_TAG})
+            companions.index_referrer(client, repo, oci, subject, companions.index_annotations(key, notes))
         signed = sign(client, repo, subject=oci, key=key, private=private) if private else None
         seconds = time.monotonic() - t0
         log.info("pushed %s to %s/%s:%s: %d of %d layers, %d bytes in %.2f s", key[:12], ref.host, repo, tag,
@@ -377,13 +375,8 @@ class Remote:
         if key:
             # The key is known before the registry is asked: join a pull in
             # flight before even fetching the manifest.
-            done = self._flight(key, progress, lambda p: self._fetch_and_commit(ref, p, t0, key))
-        else:
-            done = self._fetch_and_commit(ref, progress, t0, "")
-        # A weight artifact's compile artifacts for this node's devices come along.
-        companions.pull_companions(lambda r: self.pull(r), self.store, self.client(ref.host), ref, done.key,
-                                   done.manifest_digest, self.config.remote.compile_devices)
-        return done
+            return self._flight(key, progress, lambda p: self._fetch_and_commit(ref, p, t0, key))
+        return self._fetch_and_commit(ref, progress, t0, "")
 
     def _flight(self, key: str, progress: ProgressFn, work: Callable[[ProgressFn], Transfer]) -> Transfer:
         with self._lock:
@@ -441,6 +434,9 @@ class Remote:
         if not done.already_present:
             self._count("pulls")
             self._count("pull_bytes", done.bytes_transferred)
+        # A weight artifact's compile artifacts for this node's devices come along.
+        companions.pull_companions(lambda r: self.pull(r), self.store, client, ref, done.key, done.manifest_digest,
+                                   self.config.remote.compile_devices)
         return done
 
     def _materialize(self, ref: Reference, client: RegistryClient, manifest: Manifest, oci_digest: str,
