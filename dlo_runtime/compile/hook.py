@@ -135,7 +135,10 @@ class _FirstCall:
             if self.mode is Mode.REQUIRED:
                 raise FailedPrecondition(f"HWR required: compile artifact {res.key[:12]} cannot be restored: "
                                          f"{exc}") from None
-            report.status, report.reason = MISS, f"compile artifact {res.key[:12]} not restored: {exc}"
+            # Not corrupt by its digests (verify passed) but refused by the
+            # restore's rules: every worker would refuse it; the operator removes it.
+            report.status, report.reason = MISS, (f"compile artifact {res.key[:12]} not restored: {exc}; "
+                                                  f"`hwr rm {res.key}` removes it")
             report.publish = "skipped: the store holds this key"
             log.warning("compile %s: %s; compiling here", self.source.name, report.reason)
             return None
