@@ -63,11 +63,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -75,6 +76,7 @@ from torch import nn
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hwr_client.resolve import Mode, Outcome, parse_mode
 
+from dlo_runtime.compile import attach_to_pretrained, settings_for_pretrained
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
 from dlo_runtime.pretrained.eligibility import (daemon_absent, decide, direct_map_refusal, no_daemon_message,
@@ -108,6 +110,9 @@ class PretrainedReport:
         host_plan: the host-weight plan taken: ``"checkpoint-mmap"``,
             ``"hwr"`` or ``"ordinary"``; ``host_plan_reason`` why
             (:mod:`dlo_runtime.pretrained.hostplan`).
+        compile: with ``compile=``, the
+            :class:`~dlo_runtime.compile.CompileReport` (filled in at the
+            first call: hit / miss / published, seconds saved), else None.
     """
 
     outcome: str
@@ -126,6 +131,7 @@ class PretrainedReport:
     trail: list[str] = dataclasses.field(default_factory=list)
     host_plan: str = "hwr"
     host_plan_reason: str = ""
+    compile: Any = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready values."""
@@ -235,6 +241,7 @@ def from_pretrained(
     host_plan: str = "hwr",
     variant: str | None = None,
     use_safetensors: bool | None = None,
+    compile: bool | Mapping[str, Any] = False,
 ) -> LoadedModel:
     """Loads a diffusers / transformers model through HWR (and DLO).
 
@@ -267,6 +274,11 @@ def from_pretrained(
             as the library's ``variant=``.
         use_safetensors: as the library's ``use_safetensors=`` (True:
             safetensors only; False: ``.bin`` only; None: safetensors first).
+        compile: True or a dict of ``torch.compile`` arguments: the model
+            is compiled in place and its first call restores a compile
+            artifact from HWR (or, without one, publishes one after the
+            first output); see :mod:`dlo_runtime.compile`. Needs
+            ``device=None``. The report is ``report.compile``.
 
     A model HWR cannot represent (:mod:`~dlo_runtime.pretrained.eligibility`:
     a custom loader, freshly initialized tensors, a byte-changing key
@@ -294,7 +306,10 @@ def from_pretrained(
     mode = parse_mode(mode)
     if host_plan not in HOST_PLANS:
         raise InvalidArgument(f"host_plan={host_plan!r}: expected one of {list(HOST_PLANS)}")
+    compiling = settings_for_pretrained(compile, device=device)
     files = model_files(os.fspath(model_dir), subfolder, variant=variant, use_safetensors=use_safetensors)
+    done = functools.partial(_compiled, settings=compiling, config_path=files.config_path, dtype=dtype, mode=mode,
+                             socket=socket)
     cls = resolve_class(files, model_class)
     target = dtype_of(dtype)
     seconds: dict[str, float] = {}
@@ -308,7 +323,8 @@ def from_pretrained(
         reason = decide(contract, mode=mode, host_plan=host_plan)
         if reason:
             note = warn_fallback(contract.name, reason)
-            return _fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0, Outcome.DISABLED, note)
+            return done(_fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0,
+                                  Outcome.DISABLED, note))
         notes += unused_keys_note(contract.name, contract.keys)
         seconds["keys"] = round(time.perf_counter() - t0 - seconds["skeleton"], 6)
     if host_plan == "checkpoint-mmap" or (host_plan == "auto" and mode is not Mode.REQUIRED):
@@ -319,7 +335,7 @@ def from_pretrained(
                 preflight(skeleton, files.weights, contract.blocks(skeleton),
                           transforms=("fuse_qkv",) if fuse_qkv else ()))
         if plan.accepted:
-            return _checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0, socket=socket)
+            return done(_checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0, socket=socket))
         if host_plan == "checkpoint-mmap":
             raise FailedPrecondition(f"{files.directory}: host_plan='checkpoint-mmap' refused by preflight: "
                                      f"{plan.reason}; use host_plan='auto' to fall back to HWR")
@@ -329,7 +345,7 @@ def from_pretrained(
         loaded = _disabled(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0)
         loaded.report.host_plan = "ordinary"
         loaded.report.host_plan_reason = describe(refused, "ordinary")
-        return loaded
+        return done(loaded)
     from dlo_runtime.options import OffloadOptions
     from dlo_runtime.transaction import ModelRecipe, StartupTransaction
 
@@ -352,8 +368,8 @@ def from_pretrained(
                               "start it (the daemon needs no options) or use mode='preferred'")
         note = no_daemon_message(client.socket)
         log.warning("from_pretrained %s: %s", contract.name, note)
-        return _fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0, Outcome.CANONICAL_FALLBACK,
-                         note)
+        return done(_fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0,
+                              Outcome.CANONICAL_FALLBACK, note))
     pending: list[bool] = []
     try:
         t = time.perf_counter()
@@ -404,6 +420,16 @@ def from_pretrained(
     report.seconds = seconds
     log.info("from_pretrained %s: %s in %.3fs (materialized %d bytes, %d producer calls)", contract.name,
              report.outcome, seconds["total"], report.bytes_materialized, report.producer_calls)
+    return done(loaded)
+
+
+def _compiled(loaded: LoadedModel, **how: Any) -> LoadedModel:
+    """``compile=``: the model compiled in place (:mod:`dlo_runtime.compile`)."""
+    try:
+        attach_to_pretrained(loaded, **how)
+    except BaseException:
+        loaded.close()
+        raise
     return loaded
 
 
