@@ -139,3 +139,33 @@ def test_permission_denied_maps_without_a_visible_socket():
            "connect failed: addr: unix:/nonexistent/dir/x.sock error: Permission denied"
     err = connect_failure(text)
     assert isinstance(err, PermissionDenied) and "socket /nonexistent/dir/x.sock:" in str(err)
+
+
+@needs_root
+def test_worker_from_pretrained_is_told_socket_group(make_daemon_fixture):
+    """The worker of the issue: dlo_runtime.from_pretrained (preferred mode)
+    as a user outside the socket's group. PermissionDenied is a broken
+    configuration, FAILED in every mode (hwr_client.resolve), so it raises
+    the fix instead of falling back with "start the daemon"."""
+    from tests.support.real_models import save_model
+
+    d = make_daemon_fixture("--socket-group", GROUP)
+    os.chmod(os.path.dirname(d.socket), 0o755)
+    base = tempfile.mkdtemp(prefix="hwr-err-model-", dir="/tmp")
+    try:
+        model = save_model("bert", os.path.join(base, "bert"))
+        for dirpath, _, files in os.walk(base):  # readable by nobody, as a shared model folder is
+            os.chmod(dirpath, 0o755)
+            for name in files:
+                os.chmod(os.path.join(dirpath, name), 0o644)
+        nobody = pwd.getpwnam("nobody")
+        code = ("import dlo_runtime\ntry:\n"
+                f"    dlo_runtime.from_pretrained({model!r}, socket={d.socket!r}).close()\n"
+                "    print('loaded')\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
+        out = run_python_as(nobody.pw_uid, nobody.pw_gid, code, groups=[nobody.pw_gid], cwd="/", timeout=300,
+                            env=dict(os.environ, HOME=base))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert out.stdout.startswith(f"PermissionDenied socket {d.socket} exists (mode 0660, group {GROUP})"), \
+        out.stdout + out.stderr[-2000:]
+    assert f"usermod -aG {GROUP} nobody" in out.stdout and "start" not in out.stdout
