@@ -44,6 +44,20 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _link_unused(path: str, stamp: int) -> str:
+    """Hard-links PATH to PATH.<stamp>.old, or PATH.<stamp>-<n>.old when an
+    earlier rotation in the same second kept that name: link() never
+    replaces, so a kept key is never lost to a second rotation."""
+    for n in range(1000):
+        kept = f"{path}.{stamp}.old" if n == 0 else f"{path}.{stamp}-{n}.old"
+        try:
+            os.link(path, kept)
+            return kept
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"key file {path}: 1000 kept keys named {path}.{stamp}*.old; delete the old ones")
+
+
 def _rotate(args: argparse.Namespace) -> int:
     """Replaces the key at PATH, keeping the old one as PATH.<unix>.old.
 
@@ -58,10 +72,10 @@ def _rotate(args: argparse.Namespace) -> int:
     old = public_of(load_private_key(args.path, what="key file").public_key(), args.comment)
     new_key = generate_key()
     stamp = int(time.time())
-    tmp, kept = f"{args.path}.{os.getpid()}.{stamp}.tmp", f"{args.path}.{stamp}.old"
+    tmp = f"{args.path}.{os.getpid()}.{stamp}.tmp"
     write_private_key(tmp, new_key)
     try:
-        os.link(args.path, kept)
+        kept = _link_unused(args.path, stamp)
         os.replace(tmp, args.path)
     except BaseException:
         if os.path.lexists(tmp):

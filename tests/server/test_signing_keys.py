@@ -51,7 +51,14 @@ def test_generate_show_and_rotate(tmp_path):
     assert stat.S_IMODE(os.lstat(kept).st_mode) == 0o600
     assert sorted(os.listdir(tmp_path)) == sorted(["signing.key", os.path.basename(kept)])  # no temp file left
     plain = _hwr("keys", "rotate", path)
+    assert plain.returncode == 0, plain.stderr
     assert "trusted_keys" in plain.stdout and plain.stdout.startswith("ssh-ed25519 ")
+    # Two rotations within one second keep both previous keys under distinct names.
+    again = _hwr("keys", "rotate", path, "--json")
+    assert again.returncode == 0, again.stderr
+    kept_names = sorted(n for n in os.listdir(tmp_path) if n.endswith(".old"))
+    assert len(kept_names) == 3 and os.path.basename(kept) in kept_names
+    assert public_of(load_private_key(kept).public_key()).id == first["id"]
 
 
 def test_a_key_file_is_trusted_only_as_a_credentials_file(tmp_path):
