@@ -12,6 +12,7 @@ import dataclasses
 from hwr_server.gc.collector import Collector
 from hwr_server.leases.manager import LeaseManager
 from hwr_server.metrics import Metrics
+from hwr_server.publish.handoff import HandoffListener
 from hwr_server.registration.admission import RegistrationAdmission
 from hwr_server.remote.remote import Remote
 from hwr_server.sources.cache import SourceCache
@@ -35,3 +36,6 @@ class Components:
     metrics: Metrics
     registration: RegistrationAdmission
     remote: Remote
+    #: The handoff socket of the publications' handoff transport; None where
+    #: it is not offered (not bound, or file leases unavailable).
+    handoff: HandoffListener | None = None

@@ -333,7 +333,8 @@ def build_manifest(
 
     Args:
         file_digests: per file (sha256 hex, xxh3_128 hex).
-        tensor_digests: tensor name -> sha256 hex.
+        tensor_digests: tensor name -> xxh3_128 hex (the manifest format
+            :data:`~hwr_client.core.manifest.FORMAT_VERSION` 2 digest).
         block_xxh: per block xxh3_128 hex.
     """
     plan = checked.plan
@@ -342,12 +343,13 @@ def build_manifest(
         for i, (f, lay) in enumerate(zip(plan.files, checked.layouts))
     )
     tensors = tuple(
-        TensorEntry(spec.name, fi, spec.dtype, spec.shape, lay.data_start + off, spec.nbytes, tensor_digests[spec.name])
+        TensorEntry(spec.name, fi, spec.dtype, spec.shape, lay.data_start + off, spec.nbytes, "",
+                    tensor_digests[spec.name])
         for fi, lay in enumerate(checked.layouts)
         for spec, off in zip(lay.tensors, lay.tensor_offsets)
     )
     blocks = tuple(BlockEntry(b.index, b.prefix, b.file, b.begin, b.end, block_xxh[b.index], b.tensors) for b in checked.blocks)
-    digest = content_digest((t.name, t.dtype, t.shape, t.sha256) for t in tensors)
+    digest = content_digest((t.name, t.dtype, t.shape, t.xxh3_128) for t in tensors)
     created = int(time.time()) if created_unix is None else created_unix
     return Manifest(plan.identity.key, plan.identity, digest, created, files, tensors, blocks)
 
@@ -358,6 +360,6 @@ def planned_manifest_bytes(checked: CheckedPlan) -> int:
     so the figure is exact (``created_unix`` has the same digits until 2286).
     Costs one manifest build, O(tensors)."""
     sha, xxh = "0" * 64, "0" * 32
-    tensors = {spec.name: sha for lay in checked.layouts for spec in lay.tensors}
+    tensors = {spec.name: xxh for lay in checked.layouts for spec in lay.tensors}
     manifest = build_manifest(checked, [(sha, xxh)] * len(checked.layouts), tensors, [xxh] * len(checked.blocks))
     return len(manifest.to_json().encode("utf-8"))

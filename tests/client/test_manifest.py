@@ -40,9 +40,9 @@ def test_content_digest_is_the_canonical_json_digest():
     (lambda d: d.update(content_digest="sha256:" + "0" * 64), "content_digest"),
     (lambda d: d["blocks"][0].update(index=5), "block 0"),
     (lambda d: d["files"][0].update(blob="XYZ"), "file 0"),
-    (lambda d: d.update(format_version=2), "format"),
+    (lambda d: d.update(format_version=3), "format"),
     (lambda d: d["tensors"][0].update(name="a/b"), "^m: tensor name 'a/b'"),
-    (lambda d: d["tensors"][0].update(sha256="A" * 64), "^m: tensor .* entry is malformed"),
+    (lambda d: d["tensors"][0].update(xxh3_128="A" * 32), "^m: tensor .* entry is malformed"),
 ])
 def test_bad_fields_are_rejected(manifest_doc, mutate, needle):
     mutate(manifest_doc)
