@@ -205,7 +205,7 @@ class _Requests:
             if isinstance(item, str):
                 for piece in self.pieces():
                     if self.cancel is not None and self.cancel.is_set():
-                        return  # the caller cancels the call
+                        break  # the caller sees it and cancels the call; never a commit
                     yield piece.request()
                     self.sent += piece.nbytes
                     if self.progress is not None:

@@ -296,12 +296,12 @@ def readback(fd: int, whole: WholeHasher, parts: PartsHasher, data_start: int, s
 # ---------------------------------------------------------------------------
 
 
-def mapped_pass(fd: int, size: int, feed: Callable[[memoryview], None]) -> None:
+def mapped_pass(fd: int, size: int, feed: Callable[[memoryview], bool | None]) -> None:
     """Feeds the file's bytes ``[0, size)`` to ``feed`` in order, in slices
     of :data:`READ_BYTES`, from read-only windows of :data:`WINDOW_BYTES`
     mapped one at a time: no copy out of the page cache (a ``pread`` costs
     a copy, about 0.03 CPU-s/GB here), and no more than one window counted
-    in the daemon's RSS per pass.
+    in the daemon's RSS per pass. ``feed`` returning False stops the pass.
 
     Args:
         fd: the file, opened by the daemon (never a path: see ``readback``).
@@ -309,13 +309,21 @@ def mapped_pass(fd: int, size: int, feed: Callable[[memoryview], None]) -> None:
     """
     for start in range(0, size, WINDOW_BYTES):
         length = min(WINDOW_BYTES, size - start)
+        error: BaseException | None = None
         with mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start) as window:
             view = memoryview(window)
             try:
                 for a in range(0, length, READ_BYTES):
-                    feed(view[a:a + READ_BYTES])
-            finally:
-                view.release()  # an exported buffer would keep the window from closing
+                    if feed(view[a:a + READ_BYTES]) is False:
+                        view.release()
+                        return
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, once the window can close
+                # Its traceback's frames hold slices of the window, which
+                # could then never be unmapped (BufferError): dropped.
+                error = exc.with_traceback(None)
+            view.release()
+        if error is not None:
+            raise error
 
 
 def sha256_pass(fd: int, size: int) -> str:
@@ -336,16 +344,21 @@ def xxh3_pass(fd: int, size: int, parts: PartsHasher, header: bytes, what: str) 
     """
     xxh = xxhash.xxh3_128()
     seen = [0]
+    intact = [True]
 
-    def feed(piece: memoryview) -> None:
+    def feed(piece: memoryview) -> bool:
         at = seen[0]
         if at < len(header) and piece[:len(header) - at] != header[at:at + len(piece)]:
-            raise InvalidArgument(f"{what}: the safetensors header the daemon wrote was overwritten; a "
-                                  "client writes only the data region")
+            intact[0] = False
+            return False
         xxh.update(piece)
         if at + len(piece) > parts.pos:
             parts.update(piece[max(0, parts.pos - at):])
         seen[0] = at + len(piece)
+        return True
 
     mapped_pass(fd, size, feed)
+    if not intact[0]:
+        raise InvalidArgument(f"{what}: the safetensors header the daemon wrote was overwritten; a client "
+                              "writes only the data region")
     return xxh.hexdigest()
