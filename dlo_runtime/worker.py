@@ -148,6 +148,7 @@ class Worker:
         self.opts, self.contract, self.model, self.report = opts, contract, model, report
         self.handle, self.client, self.identity = handle, client, identity
         self._publish_pending = False
+        self.publication: Any = None
         #: AllGather group rank 0 after a miss: the full canonical tensors,
         #: taken before the backend sharded the model, kept only until
         #: :meth:`publish` has sent them (one transient copy on one rank).
@@ -172,9 +173,11 @@ class Worker:
         return {n: (t.detach() if t.device.type == "cpu" else t.detach().cpu())
                 for n, t in self.model.state_dict().items()}
 
-    def publish(self, **kwargs: Any) -> Any:
+    def publish(self, *, background: bool = False, **kwargs: Any) -> Any:
         """Preferred-mode miss: publish the runtime tensors for the next
-        start (never raises; returns the client's report)."""
+        start (never raises). Returns the client's report, or with
+        ``background`` the :class:`~dlo_runtime.background.BackgroundPublication`
+        at once (``report.publish``: its state, then its report)."""
         if not self._publish_pending or self.client is None:
             return None
         self._publish_pending = False
@@ -193,6 +196,13 @@ class Worker:
             self.report.publish = {"ok": False, "refused": f"{bad} is an AllGather placeholder, not a weight"}
             log.error("publish refused: %s", self.report.publish["refused"])
             return None
+        if background:  # its own connection and references: the worker may close meanwhile
+            from dlo_runtime.background import RUNNING, BackgroundPublication
+
+            self.report.publish = {"state": RUNNING, "ok": False, "key": self.identity.key}
+            self.publication = BackgroundPublication(self.client.socket, self.identity, tensors, **kwargs,
+                                                     on_done=lambda result: setattr(self.report, "publish", result))
+            return self.publication
         t0 = time.perf_counter()
         report = self.client.publish_after_load(self.identity, tensors, **kwargs)
         del tensors, source  # rank 0's full copy goes once it is published
@@ -201,7 +211,8 @@ class Worker:
         return report
 
     def close(self) -> None:
-        """Tears down the backend (which closes its lease), then the client."""
+        """Tears down the backend (which closes its lease), then the client
+        (a background publication has its own: :mod:`dlo_runtime.background`)."""
         handle, self.handle = self.handle, None
         if handle is not None:
             handle.close()

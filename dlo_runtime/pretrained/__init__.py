@@ -63,6 +63,7 @@ from torch import nn
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_client.resolve import Mode, Outcome, parse_mode
 
+from dlo_runtime.background import wait_for_key
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
 from dlo_runtime.pretrained.files import ModelFiles, import_library, model_files, resolve_class
@@ -122,12 +123,25 @@ class LoadedModel:
     """A model :func:`from_pretrained` started: ``model`` (eval mode, DLO
     hooks when a device was given), ``outcome``, ``key``, ``report``.
     :meth:`close` (or leaving the ``with`` block) tears down the backend,
-    which closes the lease, then the client."""
+    which closes the lease, then the client. After a preferred miss,
+    ``publication`` is the :class:`~dlo_runtime.background.BackgroundPublication`
+    that publishes for the next start (``report.publish`` holds its state)."""
 
     def __init__(self, model: nn.Module, report: PretrainedReport, *, backend: Any = None, client: Any = None,
                  contract: PretrainedContract | None = None):
         self.model, self.report = model, report
         self.backend, self.client, self.contract = backend, client, contract
+        self.publication: Any = None
+
+    def wait_published(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Waits at most ``timeout`` seconds (None: no bound) for the
+        background publication of a preferred miss to end.
+
+        Returns:
+            Its final report (``state``, ``ok``, ``seconds``, ...), None
+            while it still runs, or ``{}`` when this start publishes nothing.
+        """
+        return {} if self.publication is None else self.publication.wait_published(timeout)
 
     @property
     def outcome(self) -> Outcome:
@@ -144,8 +158,21 @@ class LoadedModel:
         """The lease the backend owns on a warm start, else None."""
         return getattr(self.backend, "lease", None)
 
-    def close(self) -> None:
-        """Backend (drain, unhook, close the lease), then the client. Idempotent."""
+    def close(self, *, publication: str = "finish") -> None:
+        """Backend (drain, unhook, close the lease), then the client. Idempotent.
+
+        Args:
+            publication: what becomes of a background publication still
+                running: ``"finish"`` (default) lets it end on its own (it
+                holds its own connection and the tensors it reads; interpreter
+                exit waits at most ``dlo_runtime.background.EXIT_WAIT_S``),
+                ``"abandon"`` ends it now (nothing published), ``"wait"``
+                blocks until it ends.
+        """
+        if publication not in ("finish", "abandon", "wait"):
+            raise InvalidArgument(f"publication={publication!r}: expected 'finish', 'abandon' or 'wait'")
+        if self.publication is not None and publication != "finish":
+            self.publication.close(wait_s=None if publication == "wait" else 0.0)
         backend, self.backend = self.backend, None
         if backend is not None:
             backend.close()
@@ -202,7 +229,7 @@ def from_pretrained(
     resident_blocks: int = 0,
     fuse_qkv: bool = False,
     socket: str | None = None,
-    progress: bool = True,
+    progress: bool | Callable[[int, int], None] = True,
     host_plan: str = "hwr",
 ) -> LoadedModel:
     """Loads a diffusers / transformers model through HWR (and DLO).
@@ -223,7 +250,10 @@ def from_pretrained(
         fuse_qkv: the library's ``fuse_qkv_projections()`` as a final
             layout (its own key).
         socket: daemon runtime socket (default: the client's).
-        progress: print publication progress to stderr.
+        progress: print publication progress to stderr (or a callable
+            taking (bytes written, total)). A preferred miss publishes in
+            the background (:mod:`dlo_runtime.background`): the call returns
+            once the model is ready; ``LoadedModel.wait_published()`` waits.
         host_plan: where host weights come from
             (:mod:`~dlo_runtime.pretrained.hostplan`): ``"hwr"`` (default,
             the behaviour above), ``"ordinary"`` (the library's own load,
@@ -290,6 +320,7 @@ def from_pretrained(
         t = time.perf_counter()
         identity = contract.identity(files.directory, client=client)
         seconds["identity"] = round(time.perf_counter() - t, 6)
+        wait_for_key(identity.key)  # this process's own publication of it, still running: a hit once it ends
         recipe = ModelRecipe(
             build_skeleton=contract.build_skeleton,
             load_canonical=lambda skel, copts: contract.canonical_load(skel, mmap=copts.checkpoint_mmap),
@@ -316,23 +347,38 @@ def from_pretrained(
     if device is not None:
         _block_report(model, contract.blocks(model)[options.resident_blocks:], report)
     loaded = LoadedModel(model, report, backend=backend, client=client, contract=contract)
+    report.seconds = seconds  # before the publication starts: its end adds "publish" to this dict
     if pending:
-        t = time.perf_counter()
-        # On a CUDA device the backend moved the non-block tensors there:
-        # publication takes host bytes (streamed blocks stay on the host).
-        tensors = {s.name: s.tensor.detach() if s.tensor.device.type == "cpu" else s.tensor.detach().cpu()
-                   for s in tensor_slots(model).slots}
-        rep = client.publish_after_load(identity, tensors, blocks=publish_groups(model, contract.blocks(model)),
-                                        progress=_progress_printer(f"hwr: publishing {contract.name}")
-                                        if progress else None)
-        del tensors
-        report.publish = dataclasses.asdict(rep)
-        seconds["publish"] = round(time.perf_counter() - t, 6)
+        loaded.publication = _publish_in_background(model, contract, identity, client.socket, report, progress)
     seconds["total"] = round(time.perf_counter() - t0, 6)
-    report.seconds = seconds
     log.info("from_pretrained %s: %s in %.3fs (materialized %d bytes, %d producer calls)", contract.name,
              report.outcome, seconds["total"], report.bytes_materialized, report.producer_calls)
     return loaded
+
+
+def _publish_in_background(model: nn.Module, contract: PretrainedContract, identity: Any, socket: str,
+                           report: PretrainedReport, progress: bool | Callable[[int, int], None]) -> Any:
+    """Starts the publication of a preferred miss on its own thread
+    (:mod:`dlo_runtime.background`); the start returns without waiting.
+    ``report.publish`` says ``running`` until it ends, then holds its report,
+    and ``report.seconds["publish"]`` its seconds."""
+    from dlo_runtime.background import RUNNING, BackgroundPublication
+
+    # On a CUDA device the backend moved the non-block tensors there:
+    # publication takes host bytes (these small copies are its own; the
+    # streamed blocks stay on the host and are read in place).
+    tensors = {s.name: s.tensor.detach() if s.tensor.device.type == "cpu" else s.tensor.detach().cpu()
+               for s in tensor_slots(model).slots}
+    show = (progress if callable(progress) else
+            _progress_printer(f"hwr: publishing {contract.name}") if progress else None)
+
+    def done(result: dict[str, Any]) -> None:
+        report.publish = result
+        report.seconds["publish"] = result["seconds"]
+
+    report.publish = {"state": RUNNING, "ok": False, "key": identity.key}
+    return BackgroundPublication(socket, identity, tensors, blocks=publish_groups(model, contract.blocks(model)),
+                                 progress=show, on_done=done)
 
 
 def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: HostWeightPlan, device: Any,

@@ -22,9 +22,11 @@ next to the runtime socket, with its mode and group):
 Who may receive a descriptor: the holder of the token (a secret only the
 publication's own stream carried) whose kernel-checked uid (``SO_PEERCRED``)
 is the publication's peer's uid where the daemon knows it. A line that does
-not come within :data:`READ_TIMEOUT_S`, an unknown token or a sealed file
-gets an error and nothing else. Connections are served by a few threads; a
-burst beyond :data:`MAX_WAITING` waiting connections is closed unanswered.
+not come within :data:`READ_TIMEOUT_S` is closed; an unknown token or a
+sealed file gets an error and nothing else. One thread reads the request
+lines of every connection (a silent client holds no thread); a few answer
+them; a burst beyond :data:`MAX_WAITING` waiting connections is closed
+unanswered.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ import errno
 import logging
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -43,11 +47,13 @@ from hwr_client.core.errors import HwrError, InvalidArgument, NotFound, status_c
 
 log = logging.getLogger(__name__)
 
-#: Seconds a connection may take to send its line.
-READ_TIMEOUT_S = 2.0
+#: Seconds a connection may take to send its line (it holds no thread
+#: meanwhile: a busy client's thread may be descheduled that long).
+READ_TIMEOUT_S = 30.0
 #: Longest request line accepted, bytes (a token, a space, an index, "\n").
 MAX_LINE = 96
-#: Threads answering connections, and connections allowed to wait for one.
+#: Threads answering complete requests; connections whose line is not
+#: complete yet, at most (beyond, a new one is closed unanswered).
 THREADS = 4
 MAX_WAITING = 64
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -85,7 +91,6 @@ class HandoffListener:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="hwr-handoff")
-        self._waiting = threading.BoundedSemaphore(MAX_WAITING)
 
     # -- registry ----------------------------------------------------------------
 
@@ -129,48 +134,87 @@ class HandoffListener:
             os.chown(self.path, -1, gid)
         os.chmod(self.path, mode)
         sock.listen(128)
-        sock.settimeout(_ACCEPT_POLL_S)
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name="hwr-handoff-accept", daemon=True)
         self._thread.start()
         self.serving = True
 
     def _serve(self) -> None:
+        """One thread reads every connection's request line (a selector: a
+        slow or silent client holds no thread); a line complete, the answer
+        (which may collect for capacity) runs on the pool."""
         sock = self._sock
         assert sock is not None
-        while not self._closed.is_set():
-            try:
-                conn, _ = sock.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if self._closed.is_set():
-                    return
-                log.warning("handoff socket %s: accept failed (%s)", self.path, errno.errorcode.get(exc.errno or 0, exc))
-                self._closed.wait(0.1)
-                continue
-            if not self._waiting.acquire(blocking=False):
-                conn.close()  # a burst beyond MAX_WAITING: the client sees EOF and reports it
-                continue
-            self._pool.submit(self._answer_and_release, conn)
-
-    def _answer_and_release(self, conn: socket.socket) -> None:
+        sock.setblocking(False)
+        sel = selectors.DefaultSelector()
+        sel.register(sock, selectors.EVENT_READ, None)
+        waiting: dict[socket.socket, _Waiting] = {}
         try:
-            with conn:
-                self._answer(conn)
+            while not self._closed.is_set():
+                for key, _ in sel.select(timeout=_ACCEPT_POLL_S):
+                    if key.data is None:
+                        self._accept(sock, sel, waiting)
+                    else:
+                        self._read(key.fileobj, sel, waiting)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for conn in [c for c, w in waiting.items() if w.deadline < now]:
+                    log.debug("handoff socket %s: no request line within %.0f s", self.path, READ_TIMEOUT_S)
+                    self._drop(conn, sel, waiting)
         finally:
-            self._waiting.release()
+            for conn in list(waiting):
+                self._drop(conn, sel, waiting)
+            sel.close()
 
-    def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(READ_TIMEOUT_S)
+    def _accept(self, sock: socket.socket, sel: selectors.BaseSelector, waiting: dict) -> None:
         try:
-            _pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-            line = _read_line(conn)
-        except (OSError, ValueError) as exc:
-            log.debug("handoff socket %s: no request (%s)", self.path, exc)
+            conn, _ = sock.accept()
+        except BlockingIOError:
             return
+        except OSError as exc:
+            # Out of fds or memory: say so and keep serving; the client's
+            # publication fails with UNAVAILABLE and the others go on.
+            log.warning("handoff socket %s: accept failed (%s)", self.path, errno.errorcode.get(exc.errno or 0, exc))
+            self._closed.wait(0.1)
+            return
+        if len(waiting) >= MAX_WAITING:
+            conn.close()  # a burst beyond MAX_WAITING: the client sees EOF and reports it
+            return
+        conn.setblocking(False)
+        waiting[conn] = _Waiting(time.monotonic() + READ_TIMEOUT_S)
+        sel.register(conn, selectors.EVENT_READ, True)
+
+    def _read(self, conn: socket.socket, sel: selectors.BaseSelector, waiting: dict) -> None:
+        w = waiting[conn]
+        try:
+            chunk = conn.recv(MAX_LINE + 1 - len(w.data))
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        w.data += chunk
+        if not chunk or len(w.data) > MAX_LINE:
+            self._drop(conn, sel, waiting)  # closed early, or not our protocol
+        elif w.data.endswith(b"\n"):
+            sel.unregister(conn)
+            del waiting[conn]
+            self._pool.submit(self._answer_and_close, conn, w.data)
+
+    @staticmethod
+    def _drop(conn: socket.socket, sel: selectors.BaseSelector, waiting: dict) -> None:
+        sel.unregister(conn)
+        del waiting[conn]
+        conn.close()
+
+    def _answer_and_close(self, conn: socket.socket, line: bytes) -> None:
+        with conn:
+            conn.setblocking(True)
+            conn.settimeout(READ_TIMEOUT_S)
+            self._answer(conn, line)
+
+    def _answer(self, conn: socket.socket, line: bytes) -> None:
         fd = -1
         try:
+            _pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
             token, index = _parse(line)
             fd = self._target(token).open_for_client(index, uid=uid)
             # The descriptor travels in the kernel's message; this process's
@@ -201,16 +245,14 @@ class HandoffListener:
                 pass
 
 
-def _read_line(conn: socket.socket) -> bytes:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(MAX_LINE + 1 - len(data))
-        if not chunk:
-            raise ValueError("connection closed before a full line")
-        data += chunk
-        if len(data) > MAX_LINE:
-            raise ValueError(f"request line over {MAX_LINE} bytes")
-    return data
+class _Waiting:
+    """A connection whose request line is not complete yet."""
+
+    __slots__ = ("deadline", "data")
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.data = b""
 
 
 def _parse(line: bytes) -> tuple[str, int]:

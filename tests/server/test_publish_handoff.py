@@ -372,3 +372,27 @@ def test_handoff_unavailable_is_raised_before_any_byte(tmp_path):
     with pytest.raises(HandoffUnavailable):
         receive_descriptor(str(tmp_path / "nothing.sock"), "0" * 32, 0)
 
+
+
+def test_silent_connections_hold_no_thread_and_block_no_publication(daemon):
+    """Connections that never send their line (a stalled or hostile client)
+    wait in the selector, not in the answering threads: more of them than
+    there are threads, and a publication still gets its descriptors."""
+    import socket as pysocket
+
+    from hwr_server.publish.handoff import THREADS
+
+    silent = []
+    try:
+        for _ in range(THREADS * 3):
+            s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+            s.connect(daemon.socket + ".pub")
+            silent.append(s)
+        with daemon.client() as client:
+            assert client.publish(identity(t="silent"), sample_tensors()).transport == "handoff"
+        for s in silent:  # still waiting (not timed out, not closed): the publication went past them
+            with pytest.raises(BlockingIOError):
+                s.recv(1, pysocket.MSG_DONTWAIT)
+    finally:
+        for s in silent:
+            s.close()
