@@ -47,7 +47,7 @@ from hwr_client.core.errors import Aborted, FailedPrecondition, InvalidArgument,
 from hwr_server.access.files import Untrusted, open_stored
 from hwr_server.publish.handoff import HandoffListener
 from hwr_server.publish.payload import Digests, StagedFiles, collect
-from hwr_server.store.hashing import set_native_thread_name, sha256_pass, xxh3_pass
+from hwr_server.store.hashing import background_thread, sha256_pass, xxh3_pass
 
 #: Seconds a seal waits for the last writable descriptor to close (the
 #: handoff thread closes the daemon's own copy just after sending it).
@@ -124,11 +124,13 @@ class HandedPayload:
         self._xxh: dict[int, Future] = {}
         self._fsyncs: dict[int, Future] = {}
         self._parts = [files.parts(i) for i in range(self.n_files)]
+        # Files in parallel across cores; niced (ServerConfig.publication_nice):
+        # the next start's artifact waits for a busy node's serving workers.
         self._hash_pool = ThreadPoolExecutor(max_workers=max(1, files.threads), thread_name_prefix=f"hwr-hash-{tag}",
-                                             initializer=set_native_thread_name, initargs=(f"hwr-hash-{tag}",))
+                                             initializer=background_thread, initargs=(f"hwr-hash-{tag}", files.nice))
         self._fsync_pool = ThreadPoolExecutor(max_workers=max(1, min(files.max_pending_fsyncs, self.n_files)),
                                               thread_name_prefix=f"hwr-fsync-{tag}",
-                                              initializer=set_native_thread_name, initargs=(f"hwr-fsync-{tag}",))
+                                              initializer=background_thread, initargs=(f"hwr-fsync-{tag}", files.nice))
         self.token = listener.register(self)
 
     def _what(self, index: int) -> str:

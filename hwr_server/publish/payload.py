@@ -36,6 +36,8 @@ class StagedFiles:
         allocate: collects what capacity needs and preallocates every file,
             once (the first payload byte calls it; later calls return).
         sha256_tensors: tensors whose SHA-256 the plan declared.
+        nice: nice increment of the transport's own hashing and fsync
+            threads (ServerConfig.publication_nice).
     """
 
     checked: CheckedPlan
@@ -46,6 +48,7 @@ class StagedFiles:
     max_pending_fsyncs: int
     allocate: Callable[[], None]
     sha256_tensors: frozenset[str]
+    nice: int = 0
 
     @property
     def ordered(self) -> bool:

@@ -210,7 +210,7 @@ class Publication:
             self.checked, [self._file_path(i) for i in range(self.n_files)], self._what(),
             threads=max(1, int(cfg.hash_threads or os.cpu_count() or 2)), max_chunk_bytes=int(cfg.max_chunk_bytes),
             max_pending_fsyncs=self.max_pending_fsyncs, allocate=self.allocate,
-            sha256_tensors=frozenset(self.declared_tensors),
+            sha256_tensors=frozenset(self.declared_tensors), nice=int(cfg.publication_nice),
         )
         if handoff is not None:
             handed = HandedPayload(files, self.pub_id[:6], listener=handoff, peer_uid=self.peer.uid)

@@ -96,6 +96,18 @@ def set_native_thread_name(name: str) -> None:
         pass
 
 
+def background_thread(name: str, nice: int) -> None:
+    """Names the calling OS thread and lowers its priority by ``nice``
+    (Linux: per thread); best effort. A pool initializer."""
+    set_native_thread_name(name)
+    if nice:
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        except OSError:
+            pass
+
+
 # ---------------------------------------------------------------------------
 # Hashers: one file, bytes fed strictly in order
 # ---------------------------------------------------------------------------
