@@ -34,9 +34,11 @@ _ERRORS: dict[str, type[HwrError]] = {cls.code.name: cls for cls in (
     Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable)}
 
 
-class HandoffUnavailable(Exception):
-    """The handoff socket cannot be reached (before any byte is written):
-    the caller publishes on the message transport instead."""
+class HandoffUnavailable(Unavailable):
+    """The handoff socket cannot be reached, before any byte of the file is
+    written (retry-safe: nothing is published). The client asks for the
+    handoff only where the socket is there and writable, so this is a race
+    with a daemon going away, or a socket removed meanwhile."""
 
 
 class Cancelled(Exception):

@@ -41,8 +41,9 @@ QUEUE_DEPTH = 4
 READ_BYTES = 8 * 1024 * 1024
 #: Bytes of a staging file mapped at once by a mapped pass: the pages it
 #: maps count in the daemon's RSS until the window is unmapped, so memory
-#: stays bounded whatever the file's size.
-WINDOW_BYTES = 64 * 1024 * 1024
+#: stays bounded whatever the file's size (two passes per file, files in
+#: parallel: 4 x 16 MiB on 2 cores). Larger windows save nothing measurable.
+WINDOW_BYTES = 16 * 1024 * 1024
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
