@@ -283,7 +283,7 @@ def _from_doc(doc: Any, what: str) -> Manifest:
     created = doc["created_unix"]
     if isinstance(created, bool) or not isinstance(created, int):
         raise InvalidArgument(f"{what}: created_unix must be an integer")
-    return Manifest(doc["key"], identity, digest, created, files, tensors, blocks, version)
+    return Manifest(doc["key"], identity, digest, created, files, tensors, blocks, format_version=version)
 
 
 def _files(doc_files: Any, what: str) -> tuple[FileEntry, ...]:

@@ -150,7 +150,7 @@ def reference_from_doc(doc: dict, what: str) -> Manifest:
     created = doc["created_unix"]
     if isinstance(created, bool) or not isinstance(created, int):
         raise InvalidArgument(f"{what}: created_unix must be an integer")
-    return Manifest(doc["key"], identity, digest, created, files, tensors, blocks, version)
+    return Manifest(doc["key"], identity, digest, created, files, tensors, blocks, format_version=version)
 
 
 def reference_from_json(text: str, what: str = "m") -> Manifest:
