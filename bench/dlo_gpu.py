@@ -1,40 +1,41 @@
-"""DLO on a CUDA machine, in one short run (< 3 minutes with --quick):
+"""DLO on a CUDA machine, in one short run (< 90 s with --quick):
 
-1. H2D GB/s of whole blocks out of a mapped artifact: pageable (the mapping
-   as is), staging (two pinned slots: memcpy, then async DMA) and registered
-   (the mapping registered read-only with cudaHostRegister, DMA straight
-   from it); the device bytes of every method are compared for equality.
-   The staging row also reports the host memcpy per block: the backend runs
-   it on the forward-hook thread, so it is compared
-   with a block's compute time.
-2. Registration of one file on disk (``--reg-gib``, default 4 GiB), cold
-   (page cache dropped: the driver reads pages inside cudaHostRegister) and
-   pre-faulted (MADV_POPULATE_READ from threads first): seconds per GiB of
-   prefault, register and unregister, and /proc/meminfo Dirty before
-   registration and right after unregistration (the driver
-   releases pinned pages as dirty, which schedules writeback of every
-   registered byte of a file-backed store).
-3. Per-block wall time of a layerwise-offloaded forward (registered and
-   staging transports) against max(compute, copy) and compute + copy: 1.0
-   of max() means copy fully hidden behind compute. Attention runs 4-D
-   (B, H, T, D) so a fused SDPA kernel applies; the run checks that one does.
+1. H2D GB/s of whole blocks out of a mapped artifact: ``pageable`` (the
+   mapping as is), ``staging`` (memcpy into two pinned slots, then async
+   DMA), ``pinned`` (the DMA out of a pinned slot alone: the copy engine's
+   ceiling) and ``registered`` (the mapping registered with
+   cudaHostRegister, DMA straight from it) where this GPU registers a
+   read-only mapping; the device bytes of every method are compared. The
+   slots are the backend's own exact-size pinned buffers
+   (:class:`dlo_runtime.pinned.PinnedBuffers`).
+2. The model resident on the GPU (the reference a user would otherwise
+   run): its forward time per block is the compute time.
+3. Layerwise-offloaded forwards (``registered`` where it registers, and
+   ``staging``): per-block wall time against max(compute, copy) and
+   compute + copy (1.0 of max() = the copy fully hidden), the staging
+   memcpy on the thread that runs the forward hooks against compute, and
+   output parity against the resident model. Attention runs 4-D (B, H, T,
+   D) so a fused SDPA kernel applies; the run checks that one does.
+
+Registration seconds per GiB, cold and pre-faulted, and the Dirty pages an
+unregistration leaves are bench/gpu/probe.py's (its matrix registers each
+kind of mapping the machine allows).
 
     python bench/dlo_gpu.py              # ~8 GiB artifact in /dev/shm
     python bench/dlo_gpu.py --quick      # ~0.75 GiB
 
 Prints a table and writes JSON (default bench/results/dlo_gpu.json). Exits 2
 without a CUDA device, 1 when a check fails (``checks`` in the JSON). NOTE:
-written without a GPU at hand; the first CUDA run is its first run
-(README.md, "DLO runtime" → "What ran where").
+written without a GPU at hand (README.md, "First GPU run").
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
-import warnings
 
 import torch
 from torch import nn
@@ -43,9 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import bench_dir, result_path, save_result  # noqa: E402
 from dlo_runtime import enable_layerwise_offload, restore_model  # noqa: E402
-from dlo_runtime.cuda_host import CudaRegistrar, NullRegistrar  # noqa: E402
+from dlo_runtime.cuda_host import CudaRegistrar  # noqa: E402
+from dlo_runtime.pinned import PinnedBuffers  # noqa: E402
 from dlo_runtime.transports import register_regions, registration_decline_reason  # noqa: E402
-from hwr_client.mapping import Region  # noqa: E402
 from hwr_client.lease import local_lease  # noqa: E402
 from hwr_client.local import write_artifact  # noqa: E402
 from hwr_client.tensors import build_plan  # noqa: E402
@@ -114,30 +115,25 @@ def _make_artifact(directory: str, n: int, width: int) -> tuple:
     return manifest, paths
 
 
-def _h2d(lease, method: str, slots: list[torch.Tensor], pinned: list[torch.Tensor],
-         memcpy_s: list[float] | None = None) -> tuple[float, torch.Tensor]:
+def _h2d(lease, method: str, slots: list[torch.Tensor], pinned: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
+    """GB/s of moving every block once by ``method``, and the last block's device bytes."""
     srcs = [lease.block_bytes(i) for i in range(len(lease.blocks))]
     stream = torch.cuda.Stream()
     free = [torch.cuda.Event(), torch.cuda.Event()]
 
     def run():
-        if memcpy_s is not None:
-            memcpy_s.clear()
         for i, src in enumerate(srcs):
             s, n = i % 2, src.numel()
             if method == "pageable":
                 slots[s][:n].copy_(src)
-            elif method == "registered":
+            elif method in ("registered", "pinned"):
                 with torch.cuda.stream(stream):
-                    slots[s][:n].copy_(src, non_blocking=True)
+                    slots[s][:n].copy_(src if method == "registered" else pinned[s][:n], non_blocking=True)
             else:
                 # Host wait: the DMA out of this pinned slot must finish
                 # before the memcpy overwrites it.
                 free[s].synchronize()
-                t0 = time.perf_counter()
                 pinned[s][:n].copy_(src)
-                if memcpy_s is not None:
-                    memcpy_s.append(time.perf_counter() - t0)
                 with torch.cuda.stream(stream):
                     slots[s][:n].copy_(pinned[s][:n], non_blocking=True)
                     free[s].record(stream)
@@ -149,97 +145,13 @@ def _h2d(lease, method: str, slots: list[torch.Tensor], pinned: list[torch.Tenso
     return total / seconds / 1e9, slots[(len(srcs) - 1) % 2][:last].clone()
 
 
-def _meminfo_kib(field: str) -> int:
-    """One /proc/meminfo field in KiB (-1 where unreadable)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return -1
+class X86Registrar(CudaRegistrar):
+    """This GPU's registrar, answering as an x86 discrete GPU does (no
+    read-only registration): the lease stages, the slots still pin."""
 
-
-def _fstype(path: str) -> str:
-    """Filesystem type of ``path`` (longest mount-point prefix in /proc/mounts)."""
-    best, kind = "", "unknown"
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 2 and (real == fields[1] or real.startswith(fields[1].rstrip("/") + "/")) \
-                        and len(fields[1]) >= len(best):
-                    best, kind = fields[1], fields[2]
-    except OSError:
-        pass
-    return kind
-
-
-def _write_cold_file(path: str, nbytes: int) -> None:
-    """``nbytes`` of incompressible data, durable and out of the page cache."""
-    piece = os.urandom(64 * 2**20)
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            left -= f.write(piece[: min(len(piece), left)])
-        f.flush()
-        os.fsync(f.fileno())  # clean pages only: DONTNEED can then drop them (a cold start)
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-def _registration_case(directory: str, gib: float, registrar: CudaRegistrar, cap) -> dict:
-    """Registers one disk file cold, then pre-faulted; Dirty around each."""
-    import mmap
-
-    path = os.path.join(directory, "hwr-dlo-gpu-registration.bin")
-    nbytes = int(gib * GIB) // mmap.PAGESIZE * mmap.PAGESIZE
-    out: dict = {"gib": nbytes / GIB, "dir": directory, "fstype": _fstype(directory)}
-    t0 = time.perf_counter()
-    _write_cold_file(path, nbytes)
-    out["write_s"] = time.perf_counter() - t0
-    try:
-        for mode in ("cold", "prefaulted"):
-            with open(path, "rb") as f:
-                # A fresh mapping each time: DONTNEED cannot drop pages we
-                # still map, so each case needs the previous mapping gone; and
-                # it cannot drop dirty pages (the previous unregistration
-                # dirtied them), so write them back first.
-                os.fsync(f.fileno())
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # read-only buffer: we only take its address
-                address = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
-            dirty0 = _meminfo_kib("Dirty")
-            choice = register_regions(registrar, cap, [Region(path, address, nbytes)], keepalive=mm,
-                                      chunk_bytes=GIB, prefault_fn=None if mode == "cold" else _prefault)
-            row: dict = {"kind": choice.kind, "reason": choice.reason, "dirty_before_kib": dirty0}
-            if choice.ranges is not None:
-                faulted = sum(sec for _, _, sec in choice.ranges.prefaults)
-                t0 = time.perf_counter()
-                choice.ranges.unregister()
-                unreg = time.perf_counter() - t0
-                dirty1 = _meminfo_kib("Dirty")
-                row.update({"prefault_s_per_gib": faulted / out["gib"],
-                            "prefault_how": sorted({how for _, how, _ in choice.ranges.prefaults}),
-                            "register_s_per_gib": choice.registration_seconds / out["gib"],
-                            "unregister_s_per_gib": unreg / out["gib"],
-                            "dirty_after_unregister_kib": dirty1,
-                            "dirty_delta_mib": (dirty1 - dirty0) / 1024,
-                            "dirty_delta_over_registered": (dirty1 - dirty0) * 1024 / nbytes})
-            mm.close()
-            out[mode] = row
-    finally:
-        os.unlink(path)
-    return out
-
-
-def _prefault(address: int, nbytes: int) -> str:
-    from dlo_runtime.cuda_host import prefault
-
-    return prefault(address, nbytes)
+    def capability(self, device):
+        return dataclasses.replace(super().capability(device), read_only_supported=False,
+                                   uses_host_page_tables=False)
 
 
 def _fused_attention_ok(blk: nn.Module, x: torch.Tensor) -> str:
@@ -257,7 +169,23 @@ def _fused_attention_ok(blk: nn.Module, x: torch.Tensor) -> str:
     return ""
 
 
-def _offload_pass(directory, manifest, paths, n, width, x, registrar, repeats) -> tuple[float, str, torch.Tensor]:
+def _resident(lease, n: int, width: int, x: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor, str]:
+    """The model resident on the GPU: seconds per forward, output, fused-attention check."""
+    with torch.device("meta"):
+        model = Model(n, width)
+    restore_model(model, lease)
+    model.to("cuda")
+    with torch.no_grad():
+        model(x)  # warm-up
+        fused = _fused_attention_ok(model.blocks[0], x)
+        seconds = _sync_time(lambda: [model(x) for _ in range(repeats)]) / repeats
+        out = model(x).float().cpu()
+    del model
+    torch.cuda.empty_cache()
+    return seconds, out, fused
+
+
+def _offload_pass(manifest, paths, n, width, x, registrar, repeats) -> dict:
     lease = local_lease(manifest, paths)
     with torch.device("meta"):
         model = Model(n, width)
@@ -265,15 +193,20 @@ def _offload_pass(directory, manifest, paths, n, width, x, registrar, repeats) -
     handle = enable_layerwise_offload(model, list(model.blocks), device="cuda", source=lease, registrar=registrar)
     with torch.no_grad():
         model(x)  # warm-up
+        before = handle.stats
         seconds = _sync_time(lambda: [model(x) for _ in range(repeats)]) / repeats
+        after = handle.stats
         out = model(x).float().cpu()
-    transport = handle.stats.transport
+    loads = sum(b.copies for b in after.blocks) - sum(b.copies for b in before.blocks)
+    row = {"transport": after.transport, "reason": after.reason, "seconds": seconds, "out": out,
+           "staging_ms_per_load": 1e3 * (after.staging_seconds - before.staging_seconds) / max(1, loads),
+           "pinned_host_bytes": after.pinned_host_bytes, "staging_bytes": after.staging_bytes,
+           "registered_bytes": after.registered_bytes}
     handle.close()
-    return seconds, transport, out
+    return row
 
 
-def run(gib: float, width: int, tokens: int, repeats: int, directory: str, reg_gib: float = 0.0,
-        disk_dir: str | None = None) -> dict:
+def run(gib: float, width: int, tokens: int, repeats: int, directory: str) -> dict:
     block_bytes = 12 * width * width * 2
     n = max(2, int(gib * GIB // block_bytes))
     t0 = time.perf_counter()
@@ -282,76 +215,67 @@ def run(gib: float, width: int, tokens: int, repeats: int, directory: str, reg_g
     lease = local_lease(manifest, paths)
     total = sum(b.nbytes for b in manifest.blocks)
     size = max(b.nbytes for b in manifest.blocks)
+    registrar = CudaRegistrar(torch.device("cuda", torch.cuda.current_device()))
+    cap = registrar.capability(torch.device("cuda", torch.cuda.current_device()))
     slots = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    pinned = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    pins = PinnedBuffers(registrar, cap, [size, size], pin=True, label="bench staging slots")
     result: dict = {"config": {"blocks": n, "width": width, "block_bytes": size, "artifact_bytes": total,
                                "tokens": tokens, "device": torch.cuda.get_device_name(), "write_s": write_s},
-                    "h2d_gbps": {}, "payload_equal": None, "registration": {}}
+                    "capability": cap.__dict__, "decline_reason": registration_decline_reason(cap),
+                    "own_buffers_decline": registration_decline_reason(cap, writable=True),
+                    "slots_pinned": pins.pinned and all(b.is_pinned() for b in pins.buffers),
+                    "slots_reason": pins.choice.reason, "h2d_gbps": {}}
     payloads = {}
-    memcpy_s: list[float] = []
-    for method in ("pageable", "staging"):
-        result["h2d_gbps"][method], payloads[method] = _h2d(lease, method, slots, pinned,
-                                                             memcpy_s if method == "staging" else None)
-    result["staging_memcpy_ms_per_block"] = 1e3 * sum(memcpy_s) / max(1, len(memcpy_s))
-    registrar = CudaRegistrar()
-    cap = registrar.capability(torch.device("cuda", torch.cuda.current_device()))
-    result["capability"] = cap.__dict__
-    result["decline_reason"] = registration_decline_reason(cap)
-    choice = register_regions(registrar, cap, lease.regions(), keepalive=lease)
-    reg_gib = choice.registered_bytes / GIB
+    for method in ("pageable", "staging", "pinned"):
+        result["h2d_gbps"][method], payloads[method] = _h2d(lease, method, slots, pins.buffers)
+    choice = register_regions(registrar, cap, lease.regions(), keepalive=lease,
+                              spans=[(int(lease.block_bytes(b.index).data_ptr()), b.nbytes) for b in manifest.blocks])
     if choice.ranges is not None:
-        result["h2d_gbps"]["registered"], payloads["registered"] = _h2d(lease, "registered", slots, pinned)
-        t0 = time.perf_counter()
+        result["h2d_gbps"]["registered"], payloads["registered"] = _h2d(lease, "registered", slots, pins.buffers)
         choice.ranges.unregister()
-        unreg = time.perf_counter() - t0
-        result["registration"] = {"gib": reg_gib, "calls": len(choice.calls),
-                                  "register_s_per_gib": choice.registration_seconds / reg_gib,
-                                  "unregister_s_per_gib": unreg / reg_gib}
-    else:
-        result["registration"] = {"skipped": choice.reason}
-    ref = payloads["pageable"]
-    result["payload_equal"] = all(torch.equal(ref, p) for p in payloads.values())
-    lease.close()
-    del slots, pinned
-    if reg_gib > 0:
-        result["registration_disk"] = _registration_case(disk_dir or directory, reg_gib, registrar, cap)
-
-    with torch.device("cuda"):
-        blk = Block(width)
+    result["registration"] = {"kind": choice.kind, "reason": choice.reason}
+    result["payload_equal"] = all(torch.equal(payloads["pageable"], p) for p in payloads.values())
+    pins.unregister()
+    del slots, pins, payloads
     x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        blk(x)
-        result["fused_attention"] = _fused_attention_ok(blk, x)
-        compute = _sync_time(lambda b=blk: [b(x) for _ in range(repeats)]) / repeats
-    del blk
+    resident_s, expected, result["fused_attention"] = _resident(lease, n, width, x, repeats)
+    lease.close()
+    compute = resident_s / n
+    result["resident"] = {"per_block_ms": compute * 1e3, "forward_ms": resident_s * 1e3}
+    passes = {"staging": X86Registrar(torch.device("cuda", torch.cuda.current_device()))}
+    if choice.kind == "registered":
+        passes = {"registered": registrar, **passes}
     offload = {}
-    outs = {}
-    for label, reg in (("registered", CudaRegistrar()), ("staging", NullRegistrar("bench: staging run"))):
-        seconds, transport, outs[label] = _offload_pass(directory, manifest, paths, n, width, x, reg, repeats)
-        gbps = result["h2d_gbps"].get(transport) or result["h2d_gbps"]["staging"]
+    for label, reg in passes.items():
+        r = _offload_pass(manifest, paths, n, width, x, reg, repeats)
+        out = r.pop("out")
+        gbps = result["h2d_gbps"].get(label) or result["h2d_gbps"]["staging"]
         copy = size / (gbps * 1e9)
-        per_block = seconds / n
-        offload[label] = {"transport": transport, "per_block_ms": per_block * 1e3, "compute_ms": compute * 1e3,
-                          "copy_ms": copy * 1e3, "over_max_compute_copy": per_block / max(compute, copy),
-                          "over_sum_compute_copy": per_block / (compute + copy)}
+        per_block = r["seconds"] / n
+        r.update(per_block_ms=per_block * 1e3, compute_ms=compute * 1e3, copy_ms=copy * 1e3,
+                 over_max_compute_copy=per_block / max(compute, copy), over_sum_compute_copy=per_block / (compute + copy),
+                 over_resident=r["seconds"] / resident_s, bitwise_equal_resident=bool(torch.equal(out, expected)),
+                 max_abs_diff_resident=float((out - expected).abs().max()),
+                 close_to_resident=bool(torch.allclose(out, expected, rtol=1e-2, atol=1e-2)),
+                 staging_memcpy_over_compute=r["staging_ms_per_load"] / (compute * 1e3))
+        offload[label] = r
     result["offload"] = offload
-    result["output_equal_registered_vs_staging"] = bool(torch.equal(outs["registered"], outs["staging"]))
-    result["hook_memcpy_over_compute"] = result["staging_memcpy_ms_per_block"] / (compute * 1e3)
+    result["hook_memcpy_over_compute"] = offload["staging"]["staging_memcpy_over_compute"]
     result["checks"] = _checks(result)
     return result
 
 
 def _checks(r: dict) -> dict:
     """Named pass/fail checks; any False makes the exit status 1."""
-    checks = {"payload_equal": bool(r["payload_equal"]),
-              "output_equal_registered_vs_staging": bool(r["output_equal_registered_vs_staging"]),
-              "fused_attention": r.get("fused_attention", "") == ""}
+    checks = {"payload_equal": bool(r["payload_equal"]), "fused_attention": r.get("fused_attention", "") == "",
+              # Where the device pins the process's own memory, the slots must be pinned.
+              "staging slots pinned": bool(r["slots_pinned"]) or bool(r["own_buffers_decline"])}
+    for label, o in r["offload"].items():
+        checks[f"{label} output close to resident"] = o["close_to_resident"]
+        checks[f"{label} transport"] = o["transport"] == label
     if not r.get("decline_reason"):
         # The platform allows registration: it must have happened.
-        checks["registered"] = "skipped" not in r["registration"] and r["offload"]["registered"]["transport"] == "registered"
-        disk = r.get("registration_disk")
-        if disk:
-            checks["disk_registration"] = all(disk[m]["kind"] == "registered" for m in ("cold", "prefaulted"))
+        checks["registered"] = r["registration"]["kind"] == "registered"
     return checks
 
 
@@ -360,32 +284,16 @@ def _table(r: dict) -> str:
     lines = [f"{c['device']}: {c['blocks']} blocks x {c['block_bytes'] / 2**20:.0f} MiB "
              f"({c['artifact_bytes'] / GIB:.2f} GiB), written in {c['write_s']:.1f}s"]
     lines.append("H2D GB/s  " + "  ".join(f"{k} {v:.2f}" for k, v in r["h2d_gbps"].items())
-                 + f"   payload equal: {r['payload_equal']}")
-    reg = r["registration"]
-    if "skipped" in reg:
-        lines.append(f"registration skipped: {reg['skipped']}")
-    else:
-        lines.append(f"registration {reg['register_s_per_gib']:.3f} s/GiB, unregistration "
-                     f"{reg['unregister_s_per_gib']:.3f} s/GiB ({reg['calls']} calls)")
-    lines.append(f"{'offload':12}{'transport':>12}{'block ms':>10}{'compute':>10}{'copy':>10}{'/max':>8}{'/sum':>8}")
-    for k, o in r["offload"].items():
-        lines.append(f"{k:12}{o['transport']:>12}{o['per_block_ms']:>10.2f}{o['compute_ms']:>10.2f}"
-                     f"{o['copy_ms']:>10.2f}{o['over_max_compute_copy']:>8.2f}{o['over_sum_compute_copy']:>8.2f}")
-    lines.append(f"output registered == staging: {r['output_equal_registered_vs_staging']}")
-    lines.append(f"staging memcpy on the hook thread: {r['staging_memcpy_ms_per_block']:.2f} ms/block "
-                 f"= {r['hook_memcpy_over_compute']:.2f} x compute; fused attention: "
+                 + f"   payload equal: {r['payload_equal']}; slots pinned: {r['slots_pinned']}")
+    lines.append(f"lease registration: {r['registration']['kind']} ({r['registration']['reason']})")
+    lines.append(f"resident: {r['resident']['per_block_ms']:.2f} ms/block; fused attention: "
                  f"{r['fused_attention'] or 'yes'}")
-    disk = r.get("registration_disk")
-    if disk:
-        lines.append(f"registration of {disk['gib']:.2f} GiB on {disk['fstype']} ({disk['dir']}):")
-        for mode in ("cold", "prefaulted"):
-            d = disk[mode]
-            if d["kind"] != "registered":
-                lines.append(f"  {mode:11} {d['kind']}: {d['reason']}")
-                continue
-            lines.append(f"  {mode:11} prefault {d['prefault_s_per_gib']:.3f} + register {d['register_s_per_gib']:.3f} "
-                         f"s/GiB, unregister {d['unregister_s_per_gib']:.3f} s/GiB; Dirty +{d['dirty_delta_mib']:.0f} MiB "
-                         f"after unregister ({d['dirty_delta_over_registered']:.2f} of registered)")
+    lines.append(f"{'offload':12}{'block ms':>10}{'compute':>10}{'copy':>10}{'/max':>8}{'/sum':>8}{'/resident':>10}"
+                 f"{'memcpy/compute':>16}{'max|diff|':>11}")
+    for k, o in r["offload"].items():
+        lines.append(f"{k:12}{o['per_block_ms']:>10.2f}{o['compute_ms']:>10.2f}{o['copy_ms']:>10.2f}"
+                     f"{o['over_max_compute_copy']:>8.2f}{o['over_sum_compute_copy']:>8.2f}{o['over_resident']:>10.2f}"
+                     f"{o['staging_memcpy_over_compute']:>16.2f}{o['max_abs_diff_resident']:>11.2e}")
     lines.append("checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()))
     return "\n".join(lines)
 
@@ -398,9 +306,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--quick", action="store_true", help="~0.75 GiB, width 2048")
-    ap.add_argument("--reg-gib", type=float, default=4.0, help="disk-file registration case size (0: skip)")
-    ap.add_argument("--disk-dir", default=None,
-                    help="directory on a disk filesystem for the registration case (default: the --out directory)")
     ap.add_argument("--out", default=result_path("dlo_gpu.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -408,11 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.quick:
         args.gib, args.width, args.tokens, args.repeats = 0.75, 2048, 4096, 2
-    # The registration case writes its file next to the results: make the directory first.
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    disk_dir = args.disk_dir or os.path.dirname(os.path.abspath(args.out))
     with bench_dir("dlo-gpu", args.dir) as directory:
-        result = run(args.gib, args.width, args.tokens, args.repeats, directory, args.reg_gib, disk_dir)
+        result = run(args.gib, args.width, args.tokens, args.repeats, directory)
     print(_table(result))
     save_result(result, args.out, indent=1, default=str)
     return 0 if all(result["checks"].values()) else 1

@@ -18,13 +18,25 @@ tests/server/test_hostile_publications.py (their builders are imported, not copi
 - ``idle_publications``: a legitimate publish behind as many plan-only
   publications as there are slots (``max_publications``), with
   ``publication_idle_s`` lowered in the config, against the same publish
-  with no hogs.
+  with no hogs;
+- ``shared_node``: one user (uid ``nobody``) against root's worker on a
+  shared daemon: a flood of waiting registrations, six processes of streams,
+  four trickling publications, a stalled registration; root's Lookup p50/p99
+  and the daemon's RSS, threads and fds, with and without each attack
+  (bench/hostile_local.py);
+- the pull cases (``bench/hostile_registry.py``): a hostile registry on
+  127.0.0.1 (tests/support/hostile_registry.py) throws 401 and 307 bombs, a
+  trickled layer, 1,320 cancelled and 64 held PullOnMiss calls against a
+  hung registry, a 350k-tensor config, a 10,000-layer manifest and lying
+  sizes at a daemon each; another process's Lookup p50/p99 while each runs,
+  the daemon's peak RSS, threads and descriptors.
 
 The daemon as shipped (default config) except where a case names a field.
 
-    python bench/hostile.py           # 200k-tensor plan, idle 5 s, 20 calls per phase
-    python bench/hostile.py --quick   # max_artifact_tensors = 4096, idle 1 s, no baseline worker;
-                                      # what the test runs
+    python bench/hostile.py           # 200k-tensor plan, idle 5 s, 20 calls per phase, all pull cases
+    python bench/hostile.py --quick   # max_artifact_tensors = 4096, idle 1 s, no baseline worker,
+                                      # smaller pull cases; what the test runs
+    python bench/hostile.py --cases pull   # only the pull cases
 
 Prints a table and writes JSON (default bench/results/hostile.json).
 """
@@ -50,6 +62,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import bench_dir, result_command, result_path, save_result  # noqa: E402
+from bench.hostile_registry import print_pull_table, run_pull_cases  # noqa: E402
 from hwr_client.core._proto import hwr_pb2 as pb  # noqa: E402
 from hwr_client.core.identity import Identity  # noqa: E402
 from hwr_client.core.plan import to_proto  # noqa: E402
@@ -59,6 +72,7 @@ from tests.conftest import identity, sample_tensors  # noqa: E402
 from tests.support.daemon import cleanup, make_daemon  # noqa: E402
 from tests.support.raw_publish import COMMIT, daemon_rss_mib, held_stream, raw_publish, toml  # noqa: E402
 from tests.support.streams import CALL_BOUND_S, HOSTILE, readline, wait_for  # noqa: E402
+from bench.hostile_local import print_local, run_local  # noqa: E402
 
 #: A new worker: interpreter start, torch and hwr_client imports, connect, lease, map.
 FIRST_LEASE = ("import sys, torch, hwr_client\n"
@@ -249,15 +263,29 @@ def case_idle(directory: str, idle_s: float) -> dict[str, Any]:
 def run(args: argparse.Namespace, directory: str) -> dict[str, Any]:
     quick = args.quick
     sizes = [2 * 4096] if quick else [int(n) for n in args.plan_tensors.split(",")]
-    return {
-        "quick": quick, "cores": os.cpu_count(),
-        "streams": case_streams(directory, 5 if quick else args.calls, baseline_lease=not quick),
-        "huge_plan": case_huge_plan(directory, sizes, 4096 if quick else None),
-        "idle_publications": case_idle(directory, 1.0 if quick else args.idle),
-    }
+    out: dict[str, Any] = {"quick": quick, "cores": os.cpu_count()}
+    if args.cases in ("all", "local"):
+        out["streams"] = case_streams(directory, 5 if quick else args.calls, baseline_lease=not quick)
+        out["huge_plan"] = case_huge_plan(directory, sizes, 4096 if quick else None)
+        out["idle_publications"] = case_idle(directory, 1.0 if quick else args.idle)
+        out["shared_node"] = run_local(directory, 5 if quick else args.calls)
+    if args.cases in ("all", "pull"):
+        pull_dir = os.path.join(directory, "pull")
+        os.mkdir(pull_dir)
+        out["pull"] = run_pull_cases(pull_dir, quick=quick, bomb=(64 if quick else args.bomb_mib) << 20,
+                                     calls=200 if quick else args.pull_calls,
+                                     tensors=100_000 if quick else args.pull_tensors)
+    return out
 
 
 def print_table(r: dict) -> None:
+    if "streams" in r:
+        print_local_table(r)
+    if "pull" in r:
+        print_pull_table(r["pull"])
+
+
+def print_local_table(r: dict) -> None:
     s, h, i = r["streams"], r["huge_plan"], r["idle_publications"]
     b, u = s["baseline"], s["under_load"]
     lb, lu = s["first_lease"]["baseline"], s["first_lease"]["under_load"]
@@ -284,6 +312,7 @@ def print_table(r: dict) -> None:
     print(f"{'publish behind ' + str(i['hogs']) + ' plan-only publications s (idle ' + format(i['publication_idle_s'], 'g') + ' s)':58} "
           f"{i['baseline_seconds']:>8.2f}{'':9} {i['legit_seconds']:>8.2f}{'' if i['legit_committed'] else ' FAIL':9}")
     print(f"  hogs ended: {i['hog_codes']}")
+    print_local(r["shared_node"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,6 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle", type=float, default=5.0, help="publication_idle_s of the idle case (default 5)")
     parser.add_argument("--quick", action="store_true",
                         help="max_artifact_tensors = 4096 (an 8,192-tensor plan), idle 1 s, 5 calls: a smoke run")
+    parser.add_argument("--cases", choices=("all", "local", "pull"), default="all",
+                        help="local: streams, plans, idle publications; pull: the hostile registry (default all)")
+    parser.add_argument("--bomb-mib", type=int, default=1024, help="body of the 401/307 bombs, MiB (default 1024)")
+    parser.add_argument("--pull-calls", type=int, default=1320,
+                        help="cancelled PullOnMiss calls against a hung registry (default 1320)")
+    parser.add_argument("--pull-tensors", type=int, default=350_000,
+                        help="tensors of the forged pulled config (default 350000)")
     parser.add_argument("--dir", help="where the daemons' roots go (default: system temp)")
     parser.add_argument("--out", default=result_path("hostile.json"))
     args = parser.parse_args(argv)

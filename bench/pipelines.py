@@ -1,13 +1,19 @@
-"""A FLUX-shaped diffusers pipeline in small memory: every component
-resident vs lazy components reloaded from disk vs lazy components reloaded
-warm from HWR, side by side in one run, each in its own worker process.
+"""A FLUX- or SD3-shaped diffusers pipeline in small memory: every
+component resident vs lazy components reloaded from disk vs lazy components
+reloaded warm from HWR, side by side in one run, each in its own worker
+process.
 
-The pipeline is the real ``diffusers.FluxPipeline`` with real component
-classes (CLIP and T5 text encoders, ``FluxTransformer2DModel``,
-``AutoencoderKL``), random weights saved with ``save_pretrained`` (the
-builder the tests use, ``tests.support.real_models.save_flux_pipeline``,
-with FLUX-like shapes: head dim 128, T5 d_model 4096 = joint attention dim),
-tiny text and a 16x16 image, so nearly all the memory is weights. Cases:
+The pipeline is the real ``diffusers.FluxPipeline`` (``--pipeline flux``,
+the default) or ``StableDiffusion3Pipeline`` (``--pipeline sd3``: its use
+order derived from the class's ``model_cpu_offload_seq``; called with CFG,
+guidance 3) with real component classes (CLIP and T5 text encoders, the
+class's transformer, ``AutoencoderKL``), random weights saved with
+``save_pretrained`` (the builders the tests use,
+``tests.support.real_models.save_flux_pipeline`` and
+``tests.support.lazy_pipelines.save_sd3_pipeline``, with real shapes where
+the memory is: FLUX head dim 128, SD3 hidden 1536 = 24 heads of 64, T5
+d_model 4096 = joint attention dim), tiny text and a 16x16 image, so nearly
+all the memory is weights. Cases:
 
 - ``resident``: ``FluxPipeline.from_pretrained(dir, dtype=bf16)``, what
   diffusers does by default: every component in memory for the whole run;
@@ -24,11 +30,13 @@ peak above the worker's RSS after imports (``baseline``), per-call seconds,
 reload seconds per component (last call) and whether the images are
 bitwise equal to the resident case's.
 
-    python bench/pipelines.py                    # ~1.4 GiB of bf16 weights
+    python bench/pipelines.py                    # FLUX, ~1.4 GiB of bf16 weights
     python bench/pipelines.py --scale small      # ~90 MiB, a quick look
     python bench/pipelines.py --checkpoint-dtype bfloat16   # + lazy-mmap (host_plan="auto")
+    python bench/pipelines.py --pipeline sd3     # SD3, ~1.4 GiB of bf16 weights
 
-Prints a table, writes JSON (default ``bench/results/pipelines.json``) and a
+Prints a table, writes JSON (default ``bench/results/pipelines.json``, or
+``pipelines-sd3.json``) and a
 PNG of memory over time beside it when matplotlib is installed.
 """
 
@@ -55,17 +63,34 @@ CASES = ("resident", "lazy-disk", "lazy-hwr")
 #: serves every component from read-only views of its mapping.
 MMAP_CASE = "lazy-mmap"
 
-#: name -> (T5 overrides, transformer overrides, checkpoint dtype)
-SCALES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
-    # T5: 2 layers of d_model 4096 (FLUX's), ~0.6 GiB bf16; transformer: 8 heads
-    # of 128 (inner 1024), 6 + 12 blocks, ~0.8 GiB bf16.
-    "flux": ({"d_model": 4096, "d_kv": 64, "num_heads": 64, "d_ff": 10240, "num_layers": 2},
-             {"attention_head_dim": 128, "num_attention_heads": 8, "num_layers": 6, "num_single_layers": 12,
-              "axes_dims_rope": [16, 56, 56]}, "float32"),
-    "small": ({"d_model": 1024, "d_kv": 64, "num_heads": 16, "d_ff": 4096, "num_layers": 2},
-              {"attention_head_dim": 64, "num_attention_heads": 4, "num_layers": 2, "num_single_layers": 4,
-               "axes_dims_rope": [8, 28, 28]}, "float32"),
+_T5 = {"full": {"d_model": 4096, "d_kv": 64, "num_heads": 64, "d_ff": 10240, "num_layers": 2},
+       "small": {"d_model": 1024, "d_kv": 64, "num_heads": 16, "d_ff": 4096, "num_layers": 2}}
+#: pipeline -> scale -> (T5 overrides, transformer overrides, checkpoint dtype)
+SCALES: dict[str, dict[str, tuple[dict[str, Any], dict[str, Any], str]]] = {
+    # T5: 2 layers of d_model 4096 (FLUX's and SD3's), ~0.6 GiB bf16; transformer:
+    # 8 heads of 128 (inner 1024), 6 + 12 blocks, ~0.8 GiB bf16.
+    "flux": {"full": (_T5["full"], {"attention_head_dim": 128, "num_attention_heads": 8, "num_layers": 6,
+                                    "num_single_layers": 12, "axes_dims_rope": [16, 56, 56]}, "float32"),
+             "small": (_T5["small"], {"attention_head_dim": 64, "num_attention_heads": 4, "num_layers": 2,
+                                      "num_single_layers": 4, "axes_dims_rope": [8, 28, 28]}, "float32")},
+    # SD3 medium's transformer width (24 heads of 64 = 1536), 5 of its 24 joint
+    # blocks, ~0.8 GiB bf16.
+    "sd3": {"full": (_T5["full"], {"attention_head_dim": 64, "num_attention_heads": 24, "num_layers": 5,
+                                   "caption_projection_dim": 1536, "patch_size": 2}, "float32"),
+            "small": (_T5["small"], {"attention_head_dim": 64, "num_attention_heads": 4, "num_layers": 2,
+                                     "caption_projection_dim": 256, "patch_size": 2}, "float32")},
 }
+
+
+def _run_pipe(pipeline: str, pipe: Any) -> Any:
+    """One call: FLUX as the tests run it; SD3 with CFG (guidance 3)."""
+    if pipeline == "sd3":
+        from tests.support.lazy_pipelines import run_sd3_pipeline
+
+        return run_sd3_pipeline(pipe, guidance_scale=3.0)
+    from tests.support.real_models import run_flux_pipeline
+
+    return run_flux_pipeline(pipe)
 
 
 def _rss() -> int:
@@ -97,10 +122,9 @@ class Sampler(threading.Thread):
 def worker(args: argparse.Namespace) -> int:
     """One case in this process; writes its JSON and images to ``args.out``."""
     import torch
-    from diffusers import FluxPipeline
+    from diffusers import DiffusionPipeline
 
     import dlo_runtime
-    from tests.support.real_models import run_flux_pipeline
 
     sampler = Sampler()
     sampler.start()
@@ -110,7 +134,7 @@ def worker(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     lazy = None
     if args.case == "resident":
-        pipe = FluxPipeline.from_pretrained(args.pipe, dtype=torch.bfloat16)
+        pipe = DiffusionPipeline.from_pretrained(args.pipe, dtype=torch.bfloat16)
     else:
         mode = "disabled" if args.case == "lazy-disk" else "preferred"
         lazy = dlo_runtime.lazy_pipeline(args.pipe, mode=mode, socket=args.socket,
@@ -123,7 +147,7 @@ def worker(args: argparse.Namespace) -> int:
         t0 = sampler.now()
         start_rss = _rss()
         t = time.perf_counter()
-        image = run_flux_pipeline(pipe)
+        image = _run_pipe(args.pipeline, pipe)
         seconds = time.perf_counter() - t
         t1 = sampler.now()
         torch.save(image, os.path.join(args.out, f"{args.case}-{i}.pt"))
@@ -147,19 +171,21 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def build(workdir: str, scale: str, dtype: str | None) -> str:
+def build(workdir: str, pipeline: str, scale: str, dtype: str | None) -> str:
     import torch
 
+    from tests.support.lazy_pipelines import save_sd3_pipeline
     from tests.support.real_models import save_flux_pipeline
 
-    t5, tr, default = SCALES[scale]
+    t5, tr, default = SCALES[pipeline][scale]
     dtype = dtype or default
-    path = os.path.join(workdir, f"flux-pipeline-{scale}-{dtype}")
+    path = os.path.join(workdir, f"{pipeline}-pipeline-{scale}-{dtype}")
     if os.path.isfile(os.path.join(path, "model_index.json")):
         return path
     # One shard per component: a block cut across shards is not one range
     # (the checkpoint-mmap preflight refuses it).
-    save_flux_pipeline(path, t5=t5, transformer=tr, shard="4GB", save_dtype=getattr(torch, dtype))
+    save = save_sd3_pipeline if pipeline == "sd3" else save_flux_pipeline
+    save(path, t5=t5, transformer=tr, shard="4GB", save_dtype=getattr(torch, dtype))
     return path
 
 
@@ -174,8 +200,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     try:
         t = time.perf_counter()
-        pipe_dir = build(workdir, args.scale, args.checkpoint_dtype)
-        cases = CASES + ((MMAP_CASE,) if (args.checkpoint_dtype or SCALES[args.scale][2]) == "bfloat16" else ())
+        pipe_dir = build(workdir, args.pipeline, args.scale, args.checkpoint_dtype)
+        dtype = args.checkpoint_dtype or SCALES[args.pipeline][args.scale][2]
+        cases = CASES + ((MMAP_CASE,) if dtype == "bfloat16" else ())
         print(f"built {pipe_dir} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
         args.socket = None
         results = {}
@@ -186,13 +213,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pre = os.path.join(out, "prewarm")
             os.makedirs(pre, exist_ok=True)
             subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--case", "lazy-hwr", "--pipe",
-                            pipe_dir, "--socket", socket, "--out", pre, "--calls", "1"], check=True,
+                            pipe_dir, "--socket", socket, "--out", pre, "--calls", "1", "--pipeline", args.pipeline],
+                           check=True,
                            env={**os.environ, "PYTHONPATH": REPO})
             with open(os.path.join(pre, "lazy-hwr.json")) as f:
                 prewarm = json.load(f)
             for case in cases:
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--case", case, "--pipe", pipe_dir,
-                       "--socket", socket, "--out", out, "--calls", str(args.calls)]
+                       "--socket", socket, "--out", out, "--calls", str(args.calls), "--pipeline", args.pipeline]
                 subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": REPO})
                 with open(os.path.join(out, f"{case}.json")) as f:
                     results[case] = json.load(f)
@@ -207,9 +235,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import diffusers
 
     cold = {n: {"seconds": r["load_seconds"][0], "outcome": r["outcomes"][0]}
-            for n, r in prewarm["report"]["components"].items()}
-    return {"bench": "pipelines", "scale": args.scale, "calls": args.calls, "results": results, "prewarm": cold,
-            "checkpoint_dtype": args.checkpoint_dtype or SCALES[args.scale][2],
+            for n, r in prewarm["report"]["components"].items() if r["load_seconds"]}
+    return {"bench": "pipelines", "pipeline": args.pipeline, "scale": args.scale, "calls": args.calls,
+            "results": results, "prewarm": cold, "checkpoint_dtype": args.checkpoint_dtype or
+            SCALES[args.pipeline][args.scale][2],
             "component_mib": {n: round(b / MIB, 1) for n, b in sizes.items()},
             "env": {"python": platform.python_version(), "torch": torch.__version__,
                     "diffusers": diffusers.__version__, "cpus": os.cpu_count(), "machine": platform.machine()}}
@@ -285,7 +314,7 @@ def chart(doc: dict[str, Any], path: str) -> str | None:
     ax.axhline(sum(sizes.values()), color="black", linestyle="--", linewidth=0.8, label="sum of components")
     ax.set_xlabel("seconds since the worker's imports")
     ax.set_ylabel("RSS above baseline (MiB)")
-    ax.set_title(f"FluxPipeline, {doc['calls']} calls: resident vs lazy (disk) vs lazy (HWR)")
+    ax.set_title(f"{doc['pipeline']} pipeline, {doc['calls']} calls: resident vs lazy (disk) vs lazy (HWR)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -295,14 +324,15 @@ def chart(doc: dict[str, Any], path: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", choices=sorted(SCALES), default="flux")
+    parser.add_argument("--pipeline", choices=sorted(SCALES), default="flux")
+    parser.add_argument("--scale", choices=["full", "small"], default="full")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--checkpoint-dtype", choices=["float32", "bfloat16"],
                         help="dtype of the saved checkpoint (default: the scale's, fp32); bfloat16 adds the "
                              "lazy-mmap case (host_plan='auto')")
     parser.add_argument("--workdir", help="pipeline, store and outputs (default: a temp dir, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the temp workdir")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "pipelines.json"))
+    parser.add_argument("--out", help="JSON path (default: bench/results/pipelines.json, pipelines-sd3.json)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", choices=CASES + (MMAP_CASE,), help=argparse.SUPPRESS)
     parser.add_argument("--pipe", help=argparse.SUPPRESS)
@@ -310,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    name = "pipelines.json" if args.pipeline == "flux" else f"pipelines-{args.pipeline}.json"
+    args.out = args.out or os.path.join(REPO, "bench", "results", name)
     doc = run(args)
     rows = summary(doc)
     doc["summary"] = rows

@@ -21,22 +21,22 @@ same code for both.
 
 AllGather (``process_group`` of G > 1 ranks, :mod:`dlo_runtime.allgather`):
 the same schedule, but each rank holds 1/G of every block (its shard) and a
-load is a block-sequence check across the group (exchanged one load
-ahead) followed by a gather of every rank's shard into the slot. A lease is only the shards' source and is
-closed during setup. A setup that fails after some blocks were sharded
-leaves those blocks' tensors as placeholders: the model must be discarded
-(the startup transaction does).
+load is a block-sequence check across the group (exchanged one load ahead)
+followed by a gather of every rank's shard into the slot. A lease is only
+the shards' source and is closed during setup. A setup that fails after
+some blocks were sharded leaves those blocks' tensors as placeholders: the
+model must be discarded (the startup transaction does).
 
 Ownership: the backend takes the lease (from a :class:`LeaseCarrier`, once)
 before any asynchronous work, and its teardown runs, in order: drain device
-work -> drop hooks, staging, buffers and module references -> unregister every
-range -> close the lease. An unregistration failure keeps the registration
-and the lease; ``close()`` may be called again to retry.
+work -> drop hooks, staging, buffers and module references -> unregister
+every range (the lease's, then the pinned host buffers') -> close the lease.
+An unregistration failure keeps the registration and the lease; ``close()``
+may be called again to retry.
 
 Example:
     >>> restore_model(model, lease)                                  # doctest: +SKIP
-    >>> handle = enable_layerwise_offload(model, list(model.blocks), device="cuda:0",
-    ...                                   source=LeaseCarrier(lease))
+    >>> handle = enable_layerwise_offload(model, list(model.blocks), device="cuda:0", source=LeaseCarrier(lease))
     >>> y = model(x); handle.stats.transport
     'registered'
     >>> handle.close()
@@ -44,23 +44,24 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from hwr_client.core.errors import InvalidArgument
-
 import dlo_runtime.allgather as ag
 from dlo_runtime.copy_engine import CopyEngine, make_copy_engine
-from dlo_runtime.cuda_host import default_registrar
-from dlo_runtime.host_blocks import HostBlock, lease_blocks, member_view, pack_block, pack_layout, set_tensor, shard_block
-from dlo_runtime.options import OffloadOptions
+from dlo_runtime.cuda_host import HostCapability, default_registrar
+from dlo_runtime.host_blocks import (HostBlock, check_mapped, lease_blocks, member_view, pack_block, pack_layout,
+                                     set_tensor, shard_block)
+from dlo_runtime.offload_stats import BlockStats, OffloadStats
+from dlo_runtime.options import OffloadOptions, validate_offload
+from dlo_runtime.pin_plan import copy_cuts
+from dlo_runtime.pinned import PinnedBuffers
 from dlo_runtime.restore import tensor_slots
 from dlo_runtime.transports import (
-    ORDINARY, STAGING, RegisteredRanges, RegistrationAborted, TransportChoice, choose_transport,
+    ORDINARY, STAGING, RegisteredRanges, RegistrationAborted, TransportChoice, broker_for, choose_transport,
 )
 
 log = logging.getLogger(__name__)
@@ -73,39 +74,6 @@ _RETAINED: list["OffloadBackend"] = []
 def retained() -> list["OffloadBackend"]:
     """Backends holding a lease open because unregistration failed."""
     return list(_RETAINED)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockStats:
-    """Per streamed block: its size and what moving it cost so far."""
-
-    name: str
-    nbytes: int
-    copies: int  # device copies (one per load)
-    h2d_bytes: int
-    host_copies: int  # extra host copies (staging memcpy)
-    collective_bytes: int = 0  # AllGather: bytes this rank received from the others
-
-
-@dataclasses.dataclass(frozen=True)
-class OffloadStats:
-    """What the backend uses and has done; a snapshot."""
-
-    transport: str
-    reason: str
-    device: str
-    unified_memory: bool
-    resident_blocks: int
-    buffer_bytes: int  # each of the two device buffers
-    staging_bytes: int  # each of the two staging slots (0 unless staging)
-    registered_bytes: int
-    registration_seconds: float
-    registration_calls: int
-    blocks: tuple[BlockStats, ...]
-    group_size: int = 1  # AllGather group size (1: rank-local)
-    shard_bytes: int = 0  # AllGather: this rank's private host shards, all blocks
-    sequence_seconds: float = 0.0  # AllGather: time in block-sequence checks
-    gather_wait_seconds: float = 0.0  # AllGather: time blocked on gathers before blocks ran
 
 
 class OffloadBackend:
@@ -133,10 +101,7 @@ class OffloadBackend:
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         blocks = list(blocks)
-        _validate(module, blocks, options.resident_blocks, options.registration_limit_gib)
-        if options.collective_timeout_s < 0:
-            raise InvalidArgument(f"enable_layerwise_offload: collective_timeout_s={options.collective_timeout_s}, "
-                                  f"expected >= 0")
+        validate_offload(module, blocks, options)
         self._module: nn.Module | None = module
         self._all_blocks = blocks
         self._resident = options.resident_blocks
@@ -154,6 +119,7 @@ class OffloadBackend:
         self._slot_block: list[int | None] = [None, None]
         self._counts: list[list[int]] = []  # per block: copies, h2d bytes, host copies
         self._meta: list[tuple[str, int]] = []  # per block: name, bytes
+        self._cuts: list[tuple[int, ...]] = []  # per block: offsets where its registration ends
         self._unified = False
         self._released = False
         self._closed = False
@@ -164,6 +130,11 @@ class OffloadBackend:
         #: when start() builds the copy engine.
         self._cu: Any = torch.cuda
         self._async = self._cuda
+        #: Whether host buffers the device reads are pinned (a seam too: CPU
+        #: tests turn it on against a fake registrar); unregistered at close.
+        self._pin_host = self._cuda
+        self._pins: list[PinnedBuffers] = []
+        self._cap: HostCapability | None = None
         self._engine: CopyEngine | None = None
         #: AllGather: the group (size > 1 only; a group of one is rank-local).
         self._group = options.process_group if ag.group_size(options.process_group) > 1 else None
@@ -204,10 +175,9 @@ class OffloadBackend:
             return self._setup_allgather()
         # First: from here on teardown drains through the engine.
         self._engine = make_copy_engine(self.device, cu=self._cu, asynchronous=self._async)
-        cap = self._registrar.capability(self.device)
+        self._cap = cap = self._registrar.capability(self.device)
         self._unified = cap.unified_memory
         streamed = self._all_blocks[self._resident :]
-        pin = self.options.pin_memory and self._cuda and not self._unified
         names = {id(m): n for n, m in self._module.named_modules()}
         walks = [(names[id(b)], b, tensor_slots(b).slots) for b in streamed]
         # Collected before packing repoints the block tensors: everything
@@ -216,22 +186,30 @@ class OffloadBackend:
         if self._lease is not None:
             self._blocks = lease_blocks(walks, self._lease)
         else:
-            self._blocks = [pack_block(qual, b, slots, pin=pin) for qual, b, slots in walks]
+            outs = self._host_buffers([pack_layout(q, sl)[1] for q, _, sl in walks], "packed blocks")
+            self._blocks = [pack_block(qual, b, slots, out=out) for (qual, b, slots), out in zip(walks, outs)]
         self._make_resident(skip | {id(m.host) for b in self._blocks for m in b.members})
         o = self.options
-        self._choice = choose_transport(self._registrar, cap, self._lease, pin_memory=o.pin_memory,
+        spans = [(int(b.host_bytes.data_ptr()), b.nbytes) for b in self._blocks]
+        self._choice = choose_transport(self._registrar, cap, self._lease, pin_memory=o.pin_memory, spans=spans,
                                         registration_limit_gib=o.registration_limit_gib, chunk_bytes=o.chunk_bytes)
         self._ranges = self._choice.ranges
+        if self._ranges is not None:
+            # Where blocks share a page a registration may end inside one:
+            # its copy goes in pieces, each out of one registration.
+            self._cuts = [copy_cuts(a, n, self._ranges.chunks) for a, n in spans]
         self.trail.append(f"transport:{self._choice.kind}")
         size = max((b.nbytes for b in self._blocks), default=0)
         self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         if self._choice.kind == STAGING:
-            self._staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+            self._staging = self._host_buffers([size, size], "staging slots")
         self._counts = [[0, 0, 0, 0] for _ in self._blocks]
         self._meta = [(b.name, b.nbytes) for b in self._blocks]  # kept after close for reporting
         self._hook_and_prefetch()
 
     def _hook_and_prefetch(self) -> None:
+        # Each forward starts with the check too: unstreamed tensors may be read from the mapping.
+        self._hooks += [self._module.register_forward_pre_hook(lambda m, a: check_mapped(self._lease))] if self._module else []
         for j, b in enumerate(self._blocks):
             self._hooks.append(b.module.register_forward_pre_hook(lambda m, a, j=j: self._pre(j)))
             self._hooks.append(b.module.register_forward_hook(lambda m, a, o, j=j: self._post(j)))
@@ -248,8 +226,8 @@ class OffloadBackend:
         # First: from here on teardown drains through the engine.
         self._engine = ag.make_gather_engine(self.device, group, cu=self._cu, timeout_s=o.collective_timeout_s,
                                              asynchronous=self._async)
-        self._unified = self._registrar.capability(self.device).unified_memory
-        pin = o.pin_memory and self._cuda and not self._unified
+        self._cap = self._registrar.capability(self.device)
+        self._unified = self._cap.unified_memory
         names = {id(m): n for n, m in self._module.named_modules()}
         walks = [(names[id(b)], b, tensor_slots(b).slots) for b in self._all_blocks[self._resident :]]
         skip = {id(s.tensor) for _, _, slots in walks for s in slots}
@@ -257,7 +235,7 @@ class OffloadBackend:
         sizes = [lb.nbytes if lb is not None else pack_layout(q, sl)[1] for (q, _, sl), lb in zip(walks, leased)]
         plans = [ag.ShardPlan.of(n, size, rank) for n in sizes]
         # One private (pinned on CUDA) buffer holds every shard of this rank.
-        self._shard_store = store = torch.empty(max(1, sum(p.shard for p in plans)), dtype=torch.uint8, pin_memory=pin)
+        self._shard_store = store = self._host_buffers([max(1, sum(p.shard for p in plans))], "AllGather shards")[0]
         pos = 0
         for (qual, blk, slots), lb, p in zip(walks, leased, plans):
             out = store[pos : pos + p.shard]
@@ -279,17 +257,30 @@ class OffloadBackend:
             # shards and nothing points into the mapping any more.
             lease.close()
             self.trail.append("close_lease")
-        self._choice = TransportChoice(ag.ALLGATHER, f"rank {rank} of {size} keeps 1/{size} of each block "
-                                                     f"({sum(p.shard for p in plans)} of {sum(sizes)} bytes)")
+        kept = f"({sum(p.shard for p in plans)} of {sum(sizes)} bytes)"
+        self._choice = TransportChoice(ag.ALLGATHER, f"rank {rank} of {size} keeps 1/{size} of each block {kept}")
         self.trail.append(f"transport:{ag.ALLGATHER}")
-        self._sequence = ag.SequenceCheck(group, self.device, o.collective_timeout_s,
-                                          [b.name for b in self._blocks], sizes,
-                                          stream=self._cu.Stream(self.device) if self._async else None)
+        self._sequence = ag.SequenceCheck(group, self.device, o.collective_timeout_s, [b.name for b in self._blocks],
+                                          sizes, stream=self._cu.Stream(self.device) if self._async else None)
         buf = max((p.padded for p in plans), default=0)
         self._buffers = [torch.empty(buf, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self._counts = [[0, 0, 0, 0] for _ in self._blocks]
         self._meta = [(b.name, n) for b, n in zip(self._blocks, sizes)]
         self._hook_and_prefetch()
+
+    def _host_buffers(self, sizes: list[int], what: str) -> list[torch.Tensor]:
+        """Host buffers the device reads by DMA: exact sizes, pinned under
+        the daemon's admission where the policy allows
+        (:class:`~dlo_runtime.pinned.PinnedBuffers`), else plain memory."""
+        assert self._cap is not None
+        o = self.options
+        if not (o.pin_memory and self._pin_host and not self._unified):
+            return [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        pins = PinnedBuffers(self._registrar, self._cap, sizes, pin=True, broker=broker_for(self._lease),
+                             label=what, chunk_bytes=o.chunk_bytes)
+        self._pins.append(pins)
+        self.trail.append(f"pinned:{what}" if pins.pinned else f"pageable:{what}")
+        return pins.buffers
 
     def _privatize(self, regions: Sequence[Any]) -> None:
         """Copies the module's host tensors that still point into the
@@ -350,9 +341,11 @@ class OffloadBackend:
                 # This rank left the announced sequence: the group agreed on
                 # block g, gathered (size-matched) and discarded; the next
                 # agree() settles j (or raises on every rank).
+        check_mapped(self._lease)  # the bytes about to be copied are still the mapped file's
         staging = self._staging[slot][: blk.nbytes] if self._staging else None
         self._slot_block[slot] = None
-        host_copies = self._engine.load(slot, self._buffers[slot][: blk.nbytes], blk.host_bytes, staging)
+        host_copies = self._engine.load(slot, self._buffers[slot][: blk.nbytes], blk.host_bytes, staging,
+                                        cuts=self._cuts[j] if self._cuts else ())
         self._slot_block[slot] = j
         c[0] += 1
         c[1] += blk.nbytes
@@ -424,12 +417,19 @@ class OffloadBackend:
         if not self._released:
             self._drain()
             self._release()
-        if self._ranges is not None and self._ranges.active:
+        lease_ranges = self._ranges is not None and self._ranges.active
+        if not getattr(self._engine, "clean", True):
+            ag.orphan(self._pins)  # an undrained collective's H2D may still read them: stay pinned
+            self._pins = []
+        # After the drain: no copy reads the mapping or these buffers any more.
+        for ranges in ([self._ranges] if lease_ranges else []) + [p.ranges for p in reversed(self._pins) if p.pinned]:
             try:
-                self._ranges.unregister()
+                ranges.unregister()  # type: ignore[union-attr]
             except Exception as exc:
                 self._retain(exc)
                 raise
+        self._pins = []
+        if lease_ranges:
             self.trail.append("unregister")
         lease, self._lease = self._lease, None
         if lease is not None:
@@ -478,6 +478,8 @@ class OffloadBackend:
             ag.group_size(self._group), sum(p.shard for p in self._plans),
             self._sequence.seconds if self._sequence is not None else 0.0,
             float(getattr(self._engine, "wait_seconds", 0.0)),
+            float(getattr(self._engine, "staging_seconds", 0.0)),
+            sum(p.nbytes for p in self._pins if p.pinned),
         )
 
     def buffer_ranges(self) -> list[tuple[int, int]]:
@@ -486,21 +488,6 @@ class OffloadBackend:
 
     def __reduce__(self):
         raise TypeError("OffloadBackend is process-local (it owns a lease and device buffers) and cannot be pickled")
-
-
-def _validate(module: nn.Module, blocks: list[nn.Module], resident: int, limit_gib: float) -> None:
-    if not blocks:
-        raise InvalidArgument("enable_layerwise_offload: expected at least one block, got none")
-    ids = {id(m) for m in module.modules()}
-    for i, b in enumerate(blocks):
-        if id(b) not in ids:
-            raise InvalidArgument(f"enable_layerwise_offload: block {i} is not a submodule of the module")
-    if len({id(b) for b in blocks}) != len(blocks):
-        raise InvalidArgument("enable_layerwise_offload: a block is listed twice")
-    if not 0 <= resident <= len(blocks):
-        raise InvalidArgument(f"enable_layerwise_offload: resident_blocks={resident}, expected 0..{len(blocks)}")
-    if limit_gib < 0:
-        raise InvalidArgument(f"enable_layerwise_offload: registration_limit_gib={limit_gib}, expected >= 0")
 
 
 def enable_layerwise_offload(

@@ -78,7 +78,8 @@ class BackgroundPublication:
         tensors: name -> CPU tensor, final layout, as served; read in place.
         blocks: name groups in execution order (None derives them).
         progress: called with (bytes written, total) from the thread.
-        on_done: called with the final report (a dict) from the thread.
+        on_done: called with the final report (a dict) from the thread,
+            before :meth:`wait_published` returns it.
 
     Example:
         >>> pub = BackgroundPublication(sock, identity, tensors)  # doctest: +SKIP
@@ -202,13 +203,15 @@ class BackgroundPublication:
                        "bytes_written": 0, "already_published": False, "transport": "", "error": "", **fields}
         if state in _OK:
             log.info("HWR publish-after-load %s: %s in %.2f s (in the background)", self.key[:12], state, seconds)
-        self._done.set()
-        _running.discard(self)
+        # Before the waiters wake: whoever wait_published() returns to sees
+        # what the callback recorded (a start's report, its trail).
         if self._on_done is not None:
             try:
                 self._on_done(dict(self.report))
             except Exception:  # noqa: BLE001 - a callback must not break the thread's end
                 log.warning("HWR publish-after-load %s: on_done callback raised", self.key[:12], exc_info=True)
+        self._done.set()
+        _running.discard(self)
 
 
 class _Abandoned(Exception):

@@ -26,7 +26,8 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from typing import Any, Protocol
+import time
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -35,10 +36,14 @@ class CopyEngine(Protocol):
     """The seam between the backend's schedule and a device's copy
     mechanics. ``slot`` is 0 or 1, the device buffer a block lives in."""
 
-    def load(self, slot: int, dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor | None) -> int:
+    def load(self, slot: int, dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor | None, *,
+             cuts: Sequence[int] = ()) -> int:
         """Issues the copy of ``src`` (host bytes) into ``dst`` (the slot's
         device buffer), through ``staging`` (the slot's host staging buffer)
-        when given. Returns the host copies it made (1 through staging)."""
+        when given. ``cuts``: byte offsets where ``src`` crosses from one
+        host registration into the next; a direct copy is issued in pieces
+        split there (each piece a pinned copy). Returns the host copies it
+        made (1 through staging)."""
         ...
 
     def before_compute(self, slot: int) -> None:
@@ -52,6 +57,12 @@ class CopyEngine(Protocol):
     def drain(self) -> None:
         """Waits for every copy and compute issued; the engine is done."""
         ...
+
+
+def pieces(nbytes: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
+    """``[0, nbytes)`` split at ``cuts`` (offsets strictly inside)."""
+    bounds = [0, *sorted(c for c in cuts if 0 < c < nbytes), nbytes]
+    return list(zip(bounds, bounds[1:]))
 
 
 class StreamCopyEngine:
@@ -69,8 +80,12 @@ class StreamCopyEngine:
         self.copy_done = [cu.Event(), cu.Event()]
         self.compute_done = [cu.Event(), cu.Event()]
         self.staging_free = [cu.Event(), cu.Event()]
+        #: Host seconds spent on staging (slot wait + memcpy) on the calling
+        #: thread, which is the one running the forward hooks.
+        self.staging_seconds = 0.0
 
-    def load(self, slot: int, dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor | None) -> int:
+    def load(self, slot: int, dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor | None, *,
+             cuts: Sequence[int] = ()) -> int:
         """Queues the copy on the copy stream; see :class:`CopyEngine`."""
         host_copies = 0
         with self.cu.stream(self.copy_stream):
@@ -78,11 +93,15 @@ class StreamCopyEngine:
             # finish before its bytes are overwritten.
             self.copy_stream.wait_event(self.compute_done[slot])
             if staging is not None:
+                t0 = time.perf_counter()
                 # Host wait: the previous DMA out of this staging slot
                 # must finish before the memcpy overwrites its bytes.
                 self.staging_free[slot].synchronize()
                 src, host_copies = staging.copy_(src), 1
-            dst.copy_(src, non_blocking=True)
+                self.staging_seconds += time.perf_counter() - t0
+                cuts = ()  # one staging slot is one registration
+            for lo, hi in pieces(src.numel(), cuts):
+                dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
             if staging is not None:
                 self.staging_free[slot].record(self.copy_stream)
             self.copy_done[slot].record(self.copy_stream)
@@ -116,21 +135,26 @@ class _CopyThread:
         self._thread: threading.Thread | None = None
         self.ident: int | None = None  # the copying thread (tests check copies ran there)
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> concurrent.futures.Future:
-        """Queues ``dst.copy_(src)``; the future completes when it ran."""
+    def submit(self, dst: torch.Tensor, src: torch.Tensor,
+               parts: Sequence[tuple[int, int]] | None = None) -> concurrent.futures.Future:
+        """Queues ``dst[lo:hi].copy_(src[lo:hi])`` per part (default: one
+        whole copy); the future completes when they ran."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="dlo-copy", daemon=True)
             self._thread.start()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((done, dst, src))
+        self._queue.put((done, dst, src, parts if parts and len(parts) > 1 else None))
         return done
 
     def _run(self) -> None:
         self.ident = threading.get_ident()
         while (item := self._queue.get()) is not None:
-            done, dst, src = item
+            done, dst, src, parts = item
             try:
-                dst.copy_(src)
+                if parts is None:
+                    dst.copy_(src)
+                for lo, hi in parts or ():
+                    dst[lo:hi].copy_(src[lo:hi])
             except BaseException as exc:  # raised where the copy is waited for
                 done.set_exception(exc)
             else:
@@ -152,8 +176,10 @@ class ThreadCopyEngine:
         self._copier = _CopyThread()
         #: Per slot, its last copy in flight.
         self._pending: list[concurrent.futures.Future | None] = [None, None]
+        self.staging_seconds = 0.0  # host seconds in staging memcpys, on the calling thread
 
-    def load(self, slot: int, dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor | None) -> int:
+    def load(self, slot: int, dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor | None, *,
+             cuts: Sequence[int] = ()) -> int:
         """Submits the copy to the copy thread; see :class:`CopyEngine`."""
         # The slot's previous copy reads its staging slot and writes its
         # buffer: it must finish before either is reused. (Its block's
@@ -161,8 +187,12 @@ class ThreadCopyEngine:
         self._wait(slot)
         host_copies = 0
         if staging is not None:
+            t0 = time.perf_counter()
             src, host_copies = staging.copy_(src), 1
-        self._pending[slot] = self._copier.submit(dst, src)
+            self.staging_seconds += time.perf_counter() - t0
+            cuts = ()
+        parts = pieces(src.numel(), cuts)
+        self._pending[slot] = self._copier.submit(dst, src, parts) if len(parts) > 1 else self._copier.submit(dst, src)
         return host_copies
 
     def before_compute(self, slot: int) -> None:

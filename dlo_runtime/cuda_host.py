@@ -144,10 +144,14 @@ def cudart_candidates(maps_text: str) -> list[str]:
 
 def _torch_lib_dirs() -> list[str]:
     """Directories where torch's own libcudart lives: torch/lib (a bundled
-    build) and the nvidia-cuda-runtime wheel next to torch (pip builds)."""
+    build) and the NVIDIA runtime wheels next to torch (pip builds):
+    ``nvidia/cuda_runtime/lib`` (CUDA 12 wheels, ``nvidia-cuda-runtime-cu12``)
+    and ``nvidia/cu13/lib`` (CUDA 13 wheels, ``nvidia-cuda-runtime`` 13.x,
+    which torch 2.11+cu130 loads)."""
     root = os.path.dirname(os.path.abspath(torch.__file__))
     site = os.path.dirname(root)
-    return [os.path.join(root, "lib"), os.path.join(site, "nvidia", "cuda_runtime")]
+    return [os.path.join(root, "lib"), os.path.join(site, "nvidia", "cuda_runtime"),
+            os.path.join(site, "nvidia", "cu13", "lib")]
 
 
 def choose_cudart(candidates: Sequence[str], preferred_dirs: Sequence[str]) -> str | None:
@@ -180,9 +184,10 @@ def _loaded_cudart_path(maps_text: str | None = None) -> str | None:
 
 # --- pre-faulting --------------------------------------------------------------------------------
 
-#: madvise advice values (linux/mman.h); MADV_POPULATE_READ needs Linux 5.14.
+#: madvise advice values (linux/mman.h); MADV_POPULATE_READ/WRITE need Linux 5.14.
 MADV_WILLNEED = 3
 MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23
 #: Threads that populate one range; cudaHostRegister faults single-threaded.
 PREFAULT_THREADS = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -204,7 +209,8 @@ def _libc_madvise() -> Madvise:
     return madvise
 
 
-def prefault(address: int, nbytes: int, *, threads: int = PREFAULT_THREADS, madvise: Madvise | None = None) -> str:
+def prefault(address: int, nbytes: int, *, threads: int = PREFAULT_THREADS, madvise: Madvise | None = None,
+             write: bool = False) -> str:
     """Faults a mapped range into memory before ``cudaHostRegister`` pins it.
 
     The driver pins with ``pin_user_pages`` single-threaded under the mmap
@@ -213,11 +219,14 @@ def prefault(address: int, nbytes: int, *, threads: int = PREFAULT_THREADS, madv
     ``threads`` threads over page-aligned slices, moves that I/O out of the
     call. ``MADV_POPULATE_READ`` (Linux >= 5.14) is tried first; where the
     kernel refuses it (EINVAL), ``MADV_WILLNEED`` starts asynchronous
-    read-ahead instead.
+    read-ahead instead. ``write``: the process's own writable memory
+    (anonymous staging slots): ``MADV_POPULATE_WRITE`` allocates the pages,
+    as the driver's pin for write would, one by one, under its locks.
 
     Returns:
-        ``"populate_read"``, ``"willneed"``, or ``"none: <reason>"`` when both
-        failed (registration still works, only slower: never an error).
+        ``"populate_read"`` / ``"populate_write"``, ``"willneed"``, or
+        ``"none: <reason>"`` when both failed (registration still works, only
+        slower: never an error).
     """
     if nbytes <= 0:
         return "none: empty range"
@@ -228,8 +237,10 @@ def prefault(address: int, nbytes: int, *, threads: int = PREFAULT_THREADS, madv
     slices = [(address + off, min(per, nbytes - off)) for off in range(0, nbytes, per)]
     codes = [0] * len(slices)
 
+    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+
     def work(i: int) -> None:
-        codes[i] = advise(slices[i][0], slices[i][1], MADV_POPULATE_READ)
+        codes[i] = advise(slices[i][0], slices[i][1], advice)
 
     workers = [threading.Thread(target=work, args=(i,), name=f"hwr-prefault-{i}") for i in range(1, len(slices))]
     for w in workers:
@@ -238,7 +249,7 @@ def prefault(address: int, nbytes: int, *, threads: int = PREFAULT_THREADS, madv
     for w in workers:
         w.join()  # every slice must be populated before the caller registers the range
     if all(c == 0 for c in codes):
-        return "populate_read"
+        return "populate_write" if write else "populate_read"
     code = advise(address, nbytes, MADV_WILLNEED)
     if code == 0:
         return "willneed"
@@ -249,16 +260,19 @@ def prefault(address: int, nbytes: int, *, threads: int = PREFAULT_THREADS, madv
 class CudaRegistrar:
     """Registrar over the process's CUDA runtime (ctypes on libcudart).
 
-    Every runtime call runs inside ``torch.cuda.device(index)`` of the device
-    last probed (or given), with its primary context created first: a
-    registration made in whatever context happens to be current would belong
-    to another device's context.
+    Every runtime call runs inside ``torch.cuda.device(index)`` of the
+    registrar's device (given, else the current device at each call), with
+    its primary context created first. Registrations are made portable
+    (:func:`dlo_runtime.transports.registration_flags`), so every context
+    sees them pinned; the device still decides which context owns the
+    registration. :meth:`capability` probes the device it is asked about
+    and changes nothing.
     """
 
     def __init__(self, device: torch.device | None = None, *, maps_text: str | None = None) -> None:
         self._lib: ctypes.CDLL | None = None
         self._index: int | None = device.index if device is not None and device.type == "cuda" else None
-        path = _loaded_cudart_path(maps_text)
+        path = self.runtime_path = _loaded_cudart_path(maps_text)
         if path is not None:
             try:
                 # dlopen of an already-loaded object returns the same handle,
@@ -279,11 +293,12 @@ class CudaRegistrar:
                 log.warning("libcudart at %s unusable for host registration: %s", path, exc)
 
     @contextlib.contextmanager
-    def _in_device(self) -> Iterator[None]:
-        """Runs the body with this registrar's device current and its primary
-        context created (torch.cuda.device sets the device; cudaFree(0) is
-        the documented way to force context creation)."""
-        index = self._index if self._index is not None else torch.cuda.current_device()
+    def _in_device(self, index: int | None = None) -> Iterator[None]:
+        """Runs the body with ``index`` (default: this registrar's device)
+        current and its primary context created (torch.cuda.device sets the
+        device; cudaFree(0) is the documented way to force context creation)."""
+        if index is None:
+            index = self._index if self._index is not None else torch.cuda.current_device()
         with torch.cuda.device(index):
             if self._lib is not None and self._lib.cudaFree(None) != 0:
                 self.clear_error()
@@ -298,18 +313,33 @@ class CudaRegistrar:
             return None
         return int(value.value)
 
+    def runtime_library(self) -> ctypes.CDLL | None:
+        """The bound libcudart (None: none was found), for diagnostics."""
+        return self._lib
+
+    def raw_attributes(self, index: int) -> dict[str, int | None]:
+        """The host-memory device attributes as the runtime reports them
+        (None: the query failed), for the record of a GPU run."""
+        if self._lib is None:
+            return {}
+        names = {"integrated": ATTR_INTEGRATED, "pageable_memory_access": ATTR_PAGEABLE_MEMORY_ACCESS,
+                 "host_register_supported": ATTR_HOST_REGISTER_SUPPORTED,
+                 "pageable_uses_host_page_tables": ATTR_PAGEABLE_USES_HOST_PAGE_TABLES,
+                 "host_register_read_only_supported": ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED}
+        with self._in_device(index):
+            return {name: self._attr(attr, index) for name, attr in names.items()}
+
     def capability(self, device: torch.device) -> HostCapability:
         """Probes the device's attributes; never raises."""
         if device.type != "cuda" or not torch.cuda.is_available():
             return NullRegistrar().capability(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self._index = index  # later register/unregister calls run in this device's context
         props = torch.cuda.get_device_properties(index)
         if self._lib is None:
             on_die = bool(getattr(props, "is_integrated", False))
             return HostCapability("cuda", False, False, False, on_die,
                                   "no shared libcudart loaded: a failed registration could not be cleared")
-        with self._in_device():
+        with self._in_device(index):
             integrated = self._attr(ATTR_INTEGRATED, index)
             supported = self._attr(ATTR_HOST_REGISTER_SUPPORTED, index)
             read_only = self._attr(ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED, index)
@@ -342,5 +372,7 @@ def default_registrar(device: torch.device) -> Registrar:
     """The registrar for ``device``: CUDA's on a CUDA device, else a
     :class:`NullRegistrar`."""
     if device.type == "cuda" and torch.cuda.is_available():
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         return CudaRegistrar(device)
     return NullRegistrar()

@@ -43,6 +43,16 @@ class HostBlock:
         return int(self.host_bytes.numel())
 
 
+def check_mapped(lease: Any) -> None:
+    """The backend's check before each block copy and each forward: raises
+    DataLoss when a file under the lease's mapping was rewritten or
+    truncated in place since it was mapped, before the changed bytes are
+    used or a page past a new end is touched (SIGBUS). One fstat per mapped
+    file (:class:`hwr_client.mapping.MappedFileGuard`); no lease, no check."""
+    if lease is not None:
+        lease.check_unchanged()
+
+
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -109,12 +119,16 @@ def pack_layout(qual: str, slots: list[Slot]) -> tuple[list[tuple[nn.Module, str
     return rows, pos
 
 
-def pack_block(qual: str, blk: nn.Module, slots: list[Slot], *, pin: bool) -> HostBlock:
-    """Packs a block's tensors into one host buffer with the aligned layout
-    and repoints them at it (the ordinary transport's one extra host copy;
-    the original storage is released once nothing else references it)."""
+def pack_block(qual: str, blk: nn.Module, slots: list[Slot], *, out: torch.Tensor) -> HostBlock:
+    """Packs a block's tensors into ``out`` (1-D uint8 of the size
+    :func:`pack_layout` gives, pinned or not: the backend's choice) with the
+    aligned layout and repoints them at it (the ordinary transport's one
+    extra host copy; the original storage is released once nothing else
+    references it)."""
     rows, pos = pack_layout(qual, slots)
-    host = torch.empty(max(pos, 1), dtype=torch.uint8, pin_memory=pin)
+    if out.numel() != pos:
+        raise FailedPrecondition(f"offload block {qual!r}: packed buffer of {out.numel()} bytes, expected {pos}")
+    host = out
     members = []
     for owner, attr, isp, off, t in rows:
         n = t.numel() * t.element_size()

@@ -13,9 +13,11 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch import nn
 
 from dlo_runtime.cuda_host import Registrar
 from dlo_runtime.transports import MAX_CHUNK_BYTES
+from hwr_client.core.errors import InvalidArgument
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,9 +33,12 @@ class OffloadOptions:
             never streamed. Default 0.
         pin_memory: the pin policy: False disables host registration and
             pinned staging. Default True.
-        registration_limit_gib: ceiling on host bytes registered with
-            ``cudaHostRegister``, in GiB; 0 means no ceiling (default). A
-            tiny value forces the staging transport on a CUDA node.
+        registration_limit_gib: ceiling on the source's mapped bytes
+            registered with ``cudaHostRegister``, in GiB; 0 means no
+            ceiling (default). A tiny value forces the staging transport on
+            a CUDA node. The backend's own pinned buffers (staging slots,
+            shards, packed blocks) are not counted here: the daemon's
+            budget bounds them (:mod:`dlo_runtime.pinned`).
         registrar: the CUDA host-registration seam; None (default) uses the
             platform's (:func:`~dlo_runtime.cuda_host.default_registrar`).
             Tests pass fakes.
@@ -76,3 +81,28 @@ class OffloadOptions:
         if unknown:
             raise TypeError(f"offload options: unknown option(s) {unknown}; expected some of {sorted(names)}")
         return dataclasses.replace(self, **fields) if fields else self
+
+
+def validate_offload(module: nn.Module, blocks: list[nn.Module], options: OffloadOptions) -> None:
+    """The arguments of :func:`~dlo_runtime.backend.enable_layerwise_offload`,
+    checked before anything is taken or changed.
+
+    Raises:
+        InvalidArgument: naming the argument and what was expected.
+    """
+    resident, limit_gib = options.resident_blocks, options.registration_limit_gib
+    if not blocks:
+        raise InvalidArgument("enable_layerwise_offload: expected at least one block, got none")
+    ids = {id(m) for m in module.modules()}
+    for i, b in enumerate(blocks):
+        if id(b) not in ids:
+            raise InvalidArgument(f"enable_layerwise_offload: block {i} is not a submodule of the module")
+    if len({id(b) for b in blocks}) != len(blocks):
+        raise InvalidArgument("enable_layerwise_offload: a block is listed twice")
+    if not 0 <= resident <= len(blocks):
+        raise InvalidArgument(f"enable_layerwise_offload: resident_blocks={resident}, expected 0..{len(blocks)}")
+    if limit_gib < 0:
+        raise InvalidArgument(f"enable_layerwise_offload: registration_limit_gib={limit_gib}, expected >= 0")
+    if options.collective_timeout_s < 0:
+        raise InvalidArgument(f"enable_layerwise_offload: collective_timeout_s={options.collective_timeout_s}, "
+                              f"expected >= 0")

@@ -4,15 +4,26 @@ Best first:
 
 ``registered``
     The lease's mapped files are registered with ``cudaHostRegister``
-    (read-only flag, whole pages per file, chunks of at most
-    :data:`MAX_CHUNK_BYTES` or the daemon's chunk size, all pre-faulted first
-    so the driver pins resident pages instead of reading them from disk under
-    its locks), so each block copies straight from the mapping into its
-    device buffer. No staging memory is allocated. While registered, the
-    ranges hold the lease and its mappings (:func:`mapping_keepalive`).
+    (read-only + portable flags, whole pages per file, chunks of at most
+    :data:`MAX_CHUNK_BYTES` or the daemon's chunk size cut only between
+    blocks (:mod:`dlo_runtime.pin_plan`), all pre-faulted first so the
+    driver pins resident pages instead of reading them from disk under its
+    locks), so each block copies straight from the mapping into its device
+    buffer. No staging memory is allocated. While registered, the ranges hold
+    the lease and its mappings (:func:`mapping_keepalive`).
 ``staging``
-    Two bounded staging slots (pinned when the pin policy allows) sized to the
-    largest streamed block: mapping -> slot (host memcpy) -> device.
+    Two bounded staging slots sized to the largest streamed block, pinned
+    (exact sizes, under the daemon's admission: :mod:`dlo_runtime.pinned`)
+    when the pin policy allows: mapping -> slot (host memcpy) -> device.
+
+GPUs without read-only registration (``cudaDevAttrHostRegisterReadOnlySupported``
+= 0: x86 discrete GPUs) decline registration of the lease's ``PROT_READ``
+mappings: the driver pins without the read-only flag for WRITE
+(``os_lock_user_pages`` -> ``FOLL_WRITE``), which a read-only mapping refuses
+(vllm-omni #6240: error 801 with the flag, error 1 without, on a B300). They
+stage. ``bench/gpu/probe.py`` measures exactly this matrix on the machine at
+hand and its ``decision`` says whether the rule holds there
+(:func:`probe_decision`).
 ``ordinary``
     No lease: each block's tensors are packed once at setup into a host
     buffer with the artifact's aligned layout (one extra host copy of the
@@ -54,7 +65,12 @@ from hwr_client.core.errors import Internal
 from hwr_client.mapping import PAGE_SIZE, Region
 from hwr_client.registration import RegistrationBroker, RegistrationGrant, broker_for
 
-from dlo_runtime.cuda_host import HOST_REGISTER_DEFAULT, HOST_REGISTER_READ_ONLY, HostCapability, Registrar, prefault
+from dlo_runtime.cuda_host import (
+    HOST_REGISTER_DEFAULT, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, HostCapability, Registrar, prefault,
+)
+from dlo_runtime.pin_plan import (  # noqa: F401 - Chunk and plan_chunks are part of this module's API
+    Chunk, PinRegion, PinSource, admission_extents, pin_regions, plan_chunks, report_pieces,
+)
 
 #: (address, nbytes) -> how the range was faulted in; see cuda_host.prefault.
 Prefault = Callable[[int, int], str]
@@ -103,15 +119,6 @@ class RegistrationCall:
 
 
 @dataclasses.dataclass(frozen=True)
-class Chunk:
-    """One page-aligned range of one mapped file, registered in one call."""
-
-    address: int
-    nbytes: int
-    path: str
-
-
-@dataclasses.dataclass(frozen=True)
 class Admitted:
     """A registration the node daemon admitted: the broker to report to and
     its grant."""
@@ -147,24 +154,6 @@ class TransportChoice:
     def registration_seconds(self) -> float:
         """Seconds spent in cudaHostRegister calls."""
         return sum(c.seconds for c in self.calls if c.op == "register")
-
-
-def plan_chunks(regions: Sequence[Region], chunk_bytes: int = MAX_CHUNK_BYTES) -> list[Chunk]:
-    """Page-aligned chunks covering every region (one file each).
-
-    Raises:
-        Internal: a region whose address is not page-aligned.
-    """
-    if chunk_bytes <= 0 or chunk_bytes % PAGE_SIZE:
-        raise Internal(f"registration chunk size {chunk_bytes}: expected a positive multiple of {PAGE_SIZE}")
-    out = []
-    for r in regions:
-        if r.address % PAGE_SIZE:
-            raise Internal(f"mapped file {r.path}: address {r.address:#x} is not page-aligned")
-        total = r.aligned_length
-        for off in range(0, total, chunk_bytes):
-            out.append(Chunk(r.address + off, min(chunk_bytes, total - off), r.path))
-    return out
 
 
 def _timed(registrar: Registrar, op: str, chunk: Chunk, flags: int) -> RegistrationCall:
@@ -265,12 +254,13 @@ class RegisteredRanges:
 
 
 def registration_decline_reason(capability: HostCapability, *, pin_memory: bool = True, total: int = 0,
-                                limit_bytes: int = 0) -> str:
+                                limit_bytes: int = 0, writable: bool = False) -> str:
     """Why registration must not be attempted ("" = go ahead).
 
     The one decision rule: the backend's transport choice and the CUDA tests'
     skip rule both call it, so a platform the code declines is one the tests
-    skip.
+    skip. ``writable``: the memory is the process's own writable memory
+    (pinned staging slots, shards), which needs no read-only support.
     """
     if not pin_memory:
         return "pin_memory=False: the pin policy is disabled"
@@ -278,17 +268,56 @@ def registration_decline_reason(capability: HostCapability, *, pin_memory: bool 
         return "unified memory: registration gains nothing"
     if not capability.host_register_supported:
         return f"host registration unsupported on {capability.platform}: {capability.reason or 'no capability'}"
-    if not (capability.read_only_supported or capability.uses_host_page_tables):
-        return "read-only host registration unsupported (cudaDevAttrHostRegisterReadOnlySupported is 0)"
+    if not writable and not (capability.read_only_supported or capability.uses_host_page_tables):
+        return ("read-only host registration unsupported (cudaDevAttrHostRegisterReadOnlySupported is 0): the "
+                "driver would pin the read-only mapping for write, which it refuses")
     if limit_bytes and total > limit_bytes:
         return f"mapping needs {total} registered bytes, over the {limit_bytes}-byte registration limit"
     return ""
 
 
+def registration_flags(capability: HostCapability, *, writable: bool = False) -> int:
+    """The cudaHostRegister flags: read-only where the device supports it
+    (never for writable memory: the CPU writes staging slots), always
+    portable, so every CUDA context of the process sees the range as
+    pinned (a registration is otherwise tied to the context current at the
+    call, and a copy issued under another device's context would not be a
+    pinned copy)."""
+    read_only = capability.read_only_supported and not writable
+    return (HOST_REGISTER_READ_ONLY if read_only else HOST_REGISTER_DEFAULT) | HOST_REGISTER_PORTABLE
+
+
+def probe_decision(rows: Sequence[dict]) -> dict:
+    """The transport for lease mappings that the probe matrix
+    (``bench/gpu/probe.py``) supports on the machine it ran on.
+
+    ``rows``: one per (mapping, flag, state) with ``mapping`` in
+    ``file_ro`` / ``tmpfs_rw`` / ``anon``, ``flag`` in ``read_only`` /
+    ``default``, and ``code`` (0 = registered). A lease maps its blobs
+    ``PROT_READ`` (``file_ro``): registered with the read-only flag if that
+    worked, else with the default flag if that worked, else staging
+    through pinned slots (``anon`` + default: anonymous memory, what the
+    staging arena registers).
+    """
+    def ok(mapping: str, flag: str) -> bool:
+        return any(r["mapping"] == mapping and r["flag"] == flag and r["code"] == 0 for r in rows)
+
+    if ok("file_ro", "read_only"):
+        return {"transport": REGISTERED, "flags": "read_only", "why": "read-only registration of a PROT_READ file "
+                "mapping succeeded"}
+    if ok("file_ro", "default"):
+        return {"transport": REGISTERED, "flags": "default", "why": "the default flag pinned a PROT_READ file "
+                "mapping (the driver did not ask for write access)"}
+    pinned = ok("anon", "default")
+    return {"transport": STAGING, "flags": "", "why": "no flag registers a PROT_READ file mapping; staging slots "
+            + ("are pinned (anonymous memory registers)" if pinned else "stay pageable (anonymous memory does not "
+                                                                       "register either)")}
+
+
 def register_regions(
     registrar: Registrar,
     capability: HostCapability,
-    regions: Sequence[Region],
+    regions: Sequence[Region | PinRegion],
     *,
     keepalive: Any,
     pin_memory: bool = True,
@@ -297,6 +326,8 @@ def register_regions(
     prefault_fn: Prefault | None = default_prefault,
     broker: RegistrationBroker | None = None,
     label: str = "",
+    spans: Sequence[tuple[int, int]] = (),
+    writable: bool = False,
 ) -> TransportChoice:
     """Registers all regions, or none: THE registration entry point.
 
@@ -312,16 +343,21 @@ def register_regions(
     Args:
         registrar: the runtime seam.
         capability: the probed platform capability (probed before any call).
-        regions: the lease's mapped files.
+        regions: the lease's mapped files, or :class:`PinRegion` s naming
+            their file extents (what the daemon counts once per node).
         keepalive: the lease; the ranges hold it and its mappings
             (:func:`mapping_keepalive`) until every chunk is unregistered.
         pin_memory: the pin policy; False selects staging without a call.
         limit_bytes: ceiling on page-aligned registered bytes; 0 = none.
         chunk_bytes: largest range per call (the daemon's chunk size lowers
-            it when smaller).
+            it when smaller), unless one block alone is larger.
         broker: the node daemon's admission for the lease's session; None
             registers without asking (no daemon session behind the source).
         label: what the daemon logs for this registration.
+        spans: ``(address, nbytes)`` of each streamed block: no chunk
+            boundary falls inside one (:func:`~dlo_runtime.pin_plan.plan_chunks`).
+        writable: the process's own writable memory (staging slots):
+            default flag, no read-only requirement.
 
     Returns:
         ``registered`` with the ranges, or ``staging`` with the reason
@@ -331,18 +367,20 @@ def register_regions(
         RegistrationAborted: a call failed and rollback failed; the returned
             ranges in the exception are still registered.
     """
-    chunks = plan_chunks(regions, chunk_bytes)
+    chunks = plan_chunks(regions, chunk_bytes, spans)
     total = sum(c.nbytes for c in chunks)
-    reason = registration_decline_reason(capability, pin_memory=pin_memory, total=total, limit_bytes=limit_bytes)
+    reason = registration_decline_reason(capability, pin_memory=pin_memory, total=total, limit_bytes=limit_bytes,
+                                         writable=writable)
     if reason:
         log.info("host registration skipped (%s); using %s", reason, STAGING)
         return TransportChoice(STAGING, reason)
-    flags = HOST_REGISTER_READ_ONLY if capability.read_only_supported else HOST_REGISTER_DEFAULT
+    flags = registration_flags(capability, writable=writable)
     keep = mapping_keepalive(keepalive)
     faults = _prefault_all(chunks, prefault_fn)
     admitted: Admitted | None = None
     if broker is not None:
-        grant = broker.request(total, label=label)
+        extents = admission_extents(pin_regions(regions), chunks)
+        grant = broker.request(total, label=label, ranges=[(e.key, e.offset, e.length) for e in extents])
         if not grant.admitted:
             reason = f"host registration not admitted by the node daemon ({grant.reason}): {grant.detail}"
             log.info("%s; using %s", reason, STAGING)
@@ -358,7 +396,7 @@ def register_regions(
             log.warning("%s; using %s", reason, STAGING)
             return TransportChoice(STAGING, reason, grant=grant)
         if step < chunk_bytes:
-            chunks = plan_chunks(regions, step)
+            chunks = plan_chunks(regions, step, spans)
     done: list[Chunk] = []
     calls: list[RegistrationCall] = []
     for k, chunk in enumerate(chunks):
@@ -367,20 +405,27 @@ def register_regions(
         if call.code != 0:
             return _roll_back(registrar, done, calls, keep, k, chunk, call.code, admitted)
         done.append(chunk)
-        if admitted is not None and not admitted.broker.chunk_done(admitted.grant, chunk.nbytes, call.seconds):
-            # The daemon forgot the registration (it restarted, or our session
-            # ended) or could not be told: the pins are real either way, so
-            # carry on; only the node's accounting of them is lost.
-            log.warning("registration %s: the daemon did not record chunk %d; continuing", label or "(unlabelled)",
-                        k)
+        if admitted is not None:
+            _report(admitted, chunk, call.seconds, k, label)
     ranges = RegisteredRanges(registrar, done, keep, admitted)
     ranges.calls.extend(calls)
     ranges.prefaults.extend(faults)
     how = "admitted by the node daemon" if admitted is not None else "no daemon session: not admission-controlled"
-    return TransportChoice(REGISTERED, f"{len(done)} range(s), {total} bytes registered read-only ({how})", ranges,
+    what = "writable" if writable else ("read-only" if flags & HOST_REGISTER_READ_ONLY else "default-flag")
+    return TransportChoice(REGISTERED, f"{len(done)} range(s), {total} bytes registered {what} ({how})", ranges,
                            tuple(calls), admitted.grant if admitted is not None else None)
 
 
+def _report(admitted: Admitted, chunk: Chunk, seconds: float, k: int, label: str) -> None:
+    """Reports one registered chunk, in pieces of at most the daemon's chunk
+    size (a chunk holding one block larger than that is still one call)."""
+    for nbytes, share in report_pieces(chunk.nbytes, seconds, admitted.grant.chunk_bytes):
+        if not admitted.broker.chunk_done(admitted.grant, nbytes, share):
+            # The daemon forgot the registration (it restarted, or our session
+            # ended) or could not be told: the pins are real either way, so
+            # carry on; only the node's accounting of them is lost.
+            log.warning("registration %s: the daemon did not record chunk %d; continuing", label or "(unlabelled)", k)
+            return
 def _prefault_all(chunks: Sequence[Chunk], prefault_fn: Prefault | None) -> list[tuple[Chunk, str, float]]:
     """Pre-faults every chunk (None = cold: nothing); returns (chunk, how,
     seconds) per chunk."""
@@ -431,13 +476,18 @@ def choose_transport(
     registration_limit_gib: float,
     chunk_bytes: int = MAX_CHUNK_BYTES,
     prefault_fn: Prefault | None = default_prefault,
+    spans: Sequence[tuple[int, int]] = (),
 ) -> TransportChoice:
     """Picks the transport for a backend.
 
     Args:
         source: the lease (MappedArtifact API) or None for ordinary tensors.
             A lease bound to a daemon session (``source.session``) registers
-            through that daemon's admission (:func:`broker_for`).
+            through that daemon's admission (:func:`broker_for`). A
+            :class:`~dlo_runtime.pin_plan.PinSource` (the checkpoint
+            mapping) names its own ranges; a lease registers its files whole.
+        spans: ``(address, nbytes)`` of each streamed block (chunks are
+            cut between blocks).
 
     Raises:
         RegistrationAborted: see :func:`register_regions`.
@@ -450,6 +500,8 @@ def choose_transport(
         return TransportChoice(UNIFIED, "unified memory: staging and registration skipped")
     limit = int(registration_limit_gib * GIB)
     key = getattr(source, "key", "")
-    return register_regions(registrar, capability, source.regions(), keepalive=source, pin_memory=pin_memory,
+    regions = source.registration_regions() if isinstance(source, PinSource) else source.regions()
+    return register_regions(registrar, capability, regions, keepalive=source, pin_memory=pin_memory,
                             limit_bytes=limit, chunk_bytes=chunk_bytes, prefault_fn=prefault_fn,
-                            broker=broker_for(source), label=f"lease {key[:12]}" if key else "")
+                            broker=broker_for(source), label=f"lease {key[:12]}" if key else "checkpoint mapping",
+                            spans=spans)

@@ -182,14 +182,12 @@ class Worker:
             return None
         self._publish_pending = False
         source, self._publish_source = self._publish_source, None
-        if source is None and self.handle is not None and self.handle.stats.group_size > 1:
-            # An AllGather rank's model holds placeholders: only the group's
-            # rank 0 took the full tensors before sharding (see the
-            # transaction); any other rank has nothing to publish.
+        allgather = self.handle is not None and self.handle.stats.group_size > 1
+        if source is None and allgather:
+            # Placeholders: only the group's rank 0 kept the full tensors (see the transaction).
             self.report.publish = {"ok": False, "skipped": "AllGather rank: only shards are held"}
             return None
         tensors = source if source is not None else self.host_tensors()
-        allgather = self.handle is not None and self.handle.stats.group_size > 1
         bad = next((n for n, t in tensors.items() if allgather and is_placeholder(t)), None)
         if bad is not None:
             # Never a placeholder into the store: the artifact would serve NaN.
@@ -286,6 +284,8 @@ def _start_resident(opts: WorkerOptions, contract: Contract, phases: _Phases) ->
     contract.canonical_load(model, opts.checkpoint)
     contract.finalize(model)
     check_no_meta(model)
+    # Resident on the compute device: forward() moves the inputs there.
+    model.to(torch.device(opts.device))
     phases.mark("canonical_load")
     return Worker(opts, contract, model, StartupReport(Outcome.DISABLED.value))
 

@@ -85,28 +85,38 @@ def default_socket(*, admin: bool = False) -> str:
 class _PeerTokens:
     """This process's peer tokens, one per daemon socket.
 
-    A forked child starts with none (:meth:`after_fork`): the token names
-    the parent's pid, and the child's streams must count as its own.
+    A token is a bearer secret bound to this process (the daemon refuses it
+    once the process is gone, for a reused pid, or after a uid change:
+    :mod:`hwr_server.access.peers`), so it lives only here, in memory: never
+    in the environment, a file or a log line. A forked child starts with
+    none (:meth:`after_fork`): the token names the parent's pid, and the
+    child's streams must count as its own. A process whose effective uid
+    changed since its handshake shakes hands again (the old token now
+    names a uid it no longer runs as, and the daemon refuses it).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tokens: dict[str, tuple[str | None, float]] = {}  # socket -> (token, monotonic time)
+        # socket -> (token, monotonic time, euid at the handshake)
+        self._tokens: dict[str, tuple[str | None, float, int]] = {}
 
     def get(self, socket: str) -> str | None:
         # Every call comes here: a token we hold is read without the lock
         # (one dict read, atomic in CPython); a value is never changed in
         # place, only replaced.
-        token, _ = self._tokens.get(socket, (None, 0.0))
-        if token is not None:
+        euid = os.geteuid()
+        token, _, uid = self._tokens.get(socket, (None, 0.0, euid))
+        if token is not None and uid == euid:
             return token
         # Under the lock: threads of one process making their first calls
         # together shake hands once.
         with self._lock:
-            token, at = self._tokens.get(socket, (None, -_HANDSHAKE_RETRY_S - 1.0))
+            token, at, uid = self._tokens.get(socket, (None, -_HANDSHAKE_RETRY_S - 1.0, euid))
+            if uid != euid:
+                token, at = None, -_HANDSHAKE_RETRY_S - 1.0
             if token is None and time.monotonic() - at > _HANDSHAKE_RETRY_S:
                 token = _handshake(socket)
-                self._tokens[socket] = (token, time.monotonic())
+                self._tokens[socket] = (token, time.monotonic(), euid)
             return token
 
     def forget(self, socket: str) -> None:

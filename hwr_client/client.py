@@ -160,6 +160,7 @@ class Client(RuntimeChannel):
         handoff: bool = True,
         before_commit: Callable[[], None] | None = None,
         cancel: threading.Event | None = None,
+        annotations: Mapping[str, Any] | None = None,
     ) -> PublishReport:
         """Publishes CPU tensors as a final-layout artifact; see
         :func:`hwr_client.publish.publish` for the options (``handoff``,
@@ -170,7 +171,7 @@ class Client(RuntimeChannel):
 
         return publish(self, identity, tensors, blocks=blocks, ordered=ordered,
                        file_target_bytes=file_target_bytes, progress=progress, seed=seed, handoff=handoff,
-                       before_commit=before_commit, cancel=cancel)
+                       before_commit=before_commit, cancel=cancel, annotations=annotations)
 
     def acquire(self, key: str, *, verify: str = "none") -> Lease:
         """Takes a lease on a published artifact and maps it; see

@@ -35,7 +35,7 @@ import xxhash
 
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument
+from hwr_client.core.errors import DataLoss, FailedPrecondition, HwrError, InvalidArgument
 from hwr_client.core.identity import check_key
 from hwr_client.core.manifest import BlockEntry, Manifest
 from hwr_client.mapping import MappedArtifact, Region
@@ -88,12 +88,22 @@ class Lease:
         self._lock = threading.Lock()
         self._closed = False
         self._lost = False
+        #: Who published the artifact, as the daemon recorded it (README
+        #: "Trust"), e.g. "uid 0 (pid 4242, python3)"; "" when not known.
+        self.publisher = ""
 
     # -- MappedArtifact API ---------------------------------------------------
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Zero-copy read-only views with the manifest's names, dtypes, shapes."""
-        return self._mapped.tensors()
+    def tensors(self, *, storage: str = "shared") -> dict[str, torch.Tensor]:
+        """Zero-copy read-only views with the manifest's names, dtypes, shapes.
+
+        Args:
+            storage: ``"shared"`` (default: the views of one file share its
+                storage) or ``"per-tensor"`` (each view has a storage of
+                exactly its bytes, over the same mapped pages; see
+                :mod:`hwr_client.mapping`).
+        """
+        return self._mapped.tensors(storage=storage)
 
     def block_bytes(self, index: int) -> torch.Tensor:
         """A read-only uint8 view of block ``index``'s contiguous bytes."""
@@ -115,6 +125,13 @@ class Lease:
     def regions(self) -> list[Region]:
         """The mapped ranges (path, address, length) for CUDA registration."""
         return self._mapped.regions()
+
+    def check_unchanged(self) -> None:
+        """Raises DataLoss if a mapped blob changed in place since it was
+        mapped (size or mtime; :class:`hwr_client.mapping.MappedFileGuard`).
+        One fstat per file; the offload backend calls it before each block
+        copy. After :meth:`close` there is nothing to check."""
+        self._mapped.check_unchanged()
 
     def verify(self, mode: str = "fast") -> "VerifyReport":
         """Hashes the mapped bytes against the manifest (see
@@ -148,6 +165,13 @@ class Lease:
             if self._closed:
                 return
             self._closed = True
+        try:
+            # At release too: a change since the last check (the last block
+            # fetch) may have reached the outputs; say so, never raise here.
+            self._mapped.check_unchanged()
+        except DataLoss as exc:
+            log.error("lease %s… on %s: %s; outputs computed since the last check may be wrong", self.lease_id[:8],
+                      self.key[:12], exc)
         try:
             if self._release is not None and not self._lost:
                 self._release(self.lease_id)
@@ -326,6 +350,7 @@ def acquire(client: LeaseClient, key: str, *, verify: str = "none") -> Lease:
         _release_quietly(session, reply.lease_id, key)
         raise
     lease = Lease(key, reply.lease_id, mapped, release=session.release, session=session)
+    lease.publisher = reply.publisher.text
     session.track(reply.lease_id, lease)
     if verify != "none":
         _verify_or_close(client, lease, verify)

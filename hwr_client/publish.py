@@ -39,7 +39,7 @@ from hwr_client.core.defaults import HANDOFF_SOCKET_SUFFIX
 from hwr_client.core.errors import Aborted, Internal, InvalidArgument, from_rpc_error
 from hwr_client.core.identity import Identity
 from hwr_client.core.manifest import Manifest
-from hwr_client.core.plan import FILE_TARGET_BYTES, CheckedPlan, check_plan, to_proto
+from hwr_client.core.plan import FILE_TARGET_BYTES, CheckedPlan, PlanSpec, check_plan, to_proto
 from hwr_client.tensors import build_plan, iter_payload, spec_of
 
 #: Target payload message size.
@@ -277,6 +277,7 @@ def publish(
     handoff: bool = True,
     before_commit: Callable[[], None] | None = None,
     cancel: threading.Event | None = None,
+    annotations: Mapping[str, Any] | None = None,
 ) -> PublishReport:
     """Publishes a mapping of CPU tensors as a final-layout artifact.
 
@@ -300,6 +301,8 @@ def publish(
             nothing published, and is re-raised.
         cancel: set from any thread to end the publication before its
             commit (nothing published, the staging removed): Aborted.
+        annotations: an opaque ``{"schema_version": 1, "data": {...}}``
+            object stored in the manifest (:mod:`hwr_client.core.annotations`).
 
     Returns:
         PublishReport with the identity key and the stored manifest.
@@ -317,6 +320,44 @@ def publish(
     """
     t0 = time.monotonic()
     plan = build_plan(identity, tensors, blocks=blocks, ordered=ordered, file_target_bytes=file_target_bytes)
+    if annotations is not None:
+        plan = dataclasses.replace(plan, annotations=annotations)
+    return publish_plan(client, plan, tensors, progress=progress, seed=seed, started=t0, handoff=handoff,
+                        before_commit=before_commit, cancel=cancel)
+
+
+def publish_plan(
+    client: RuntimeChannel,
+    plan: PlanSpec,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    seed: int | None = None,
+    started: float | None = None,
+    handoff: bool = True,
+    before_commit: Callable[[], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> PublishReport:
+    """Publishes ``tensors`` laid out as ``plan`` says: for a caller that
+    chose the files itself (an integration keeping its producer's sharding).
+
+    Args:
+        client: a connected :class:`hwr_client.Client`.
+        plan: the plan (:func:`hwr_client.tensors.build_plan` makes one);
+            every planned tensor must be in ``tensors`` with its dtype and shape.
+        tensors: name -> CPU tensor.
+        progress: called with (bytes written, total bytes) as the payload goes.
+        seed: shuffle seed for unordered mode (None: random).
+        started: ``time.monotonic()`` at which the report's clock starts.
+        handoff, before_commit, cancel: as :func:`publish`.
+
+    Returns and Raises: as :func:`publish`.
+    """
+    t0 = time.monotonic() if started is None else started
+    ordered = plan.ordered
+    missing = [t.name for f in plan.files for t in f.tensors if t.name not in tensors]
+    if missing:
+        raise InvalidArgument(f"publication: planned tensors {missing[:5]} are not in the tensor mapping")
     checked = check_plan(plan)
     _check_tensors(checked, tensors)
     msg = to_proto(plan)
@@ -395,4 +436,4 @@ def _send_payload(client: RuntimeChannel, reqs: _Requests, events: Any, checked:
     return "handoff", _send_handed(client, reqs, events, checked, accepted.handoff_token, tensors, order)
 
 
-__all__ = ["MESSAGE_BYTES", "PublishReport", "publish"]
+__all__ = ["MESSAGE_BYTES", "PublishReport", "publish", "publish_plan"]

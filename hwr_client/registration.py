@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from hwr_client.channel import DEFAULT_TIMEOUT_S
 from hwr_client.channel import call as call_unary
@@ -57,7 +57,8 @@ class RegistrationGrant:
         chunks: ``(offset, length)`` ranges covering ``[0, nbytes)``, each at
             most the daemon's chunk size; empty when refused.
         reason: empty when admitted; else "budget", "watchdog", "busy",
-            "session", "empty", "daemon" (unreachable) or "failed".
+            "session", "empty", "daemon" (unreachable) or "failed" (a
+            "queued" answer is asked again until admitted or refused).
         detail: the refusal in words.
         chunk_bytes: the daemon's largest chunk, bytes (0 when it was not
             reached); a caller that plans its own chunks (per mapped file)
@@ -84,6 +85,11 @@ def plan_chunks(nbytes: int, chunk_bytes: int) -> tuple[tuple[int, int], ...]:
 #: How long a runtime registration waits for the node's in-flight slot by
 #: default (the daemon caps it at its ``registration_max_wait_s``). Seconds.
 DEFAULT_WAIT_S = 120.0
+#: The daemon's "queued" reason: not refused yet, ask again with the ticket.
+QUEUED = "queued"
+#: Longest pause between two asks of a queued request, whatever the daemon
+#: says (a bound on a bad retry_after_ms). Seconds.
+_MAX_RETRY_S = 2.0
 
 
 class RegistrationBroker:
@@ -100,9 +106,14 @@ class RegistrationBroker:
         self.session = session
         self.wait_s = wait_s
 
-    def request(self, nbytes: int, *, label: str = "", wait_s: float | None = None) -> RegistrationGrant:
+    def request(self, nbytes: int, *, label: str = "", wait_s: float | None = None,
+                ranges: Sequence[tuple[str, int, int]] = ()) -> RegistrationGrant:
         """Asks to register ``nbytes``; never raises for a refusal or an
-        unreachable daemon (both answer ``admitted=False``)."""
+        unreachable daemon (both answer ``admitted=False``).
+
+        ``ranges``: the file pages pinned, ``(key, offset, length)`` with
+        lengths summing to ``nbytes`` (see ``PinnedRange`` in the proto):
+        the daemon counts pages other workers pinned already only once."""
         wait = self.wait_s if wait_s is None else wait_s
         if not self.session.usable:
             # Closed, or inherited through fork (its stream is the parent's):
@@ -111,11 +122,7 @@ class RegistrationBroker:
             log.info("registration of %s (%d bytes): %s; staging", label, nbytes, detail)
             return RegistrationGrant(False, "", nbytes, (), UNREACHABLE, detail)
         try:
-            sid = self.session.session_id()
-            reply = call_unary(self.session.runtime.AdmitRegistration,
-                               pb.AdmitRegistrationRequest(session_id=sid, nbytes=nbytes, label=label,
-                                                           wait_ms=int(max(0.0, wait) * 1000)),
-                               timeout=wait + DEFAULT_TIMEOUT_S)
+            reply = self._ask(nbytes, label, wait, ranges)
         except HwrError as exc:
             log.info("registration of %s (%d bytes): daemon not asked (%s); staging", label, nbytes, exc)
             return RegistrationGrant(False, "", nbytes, (), UNREACHABLE, str(exc))
@@ -125,6 +132,38 @@ class RegistrationBroker:
             return RegistrationGrant(False, "", nbytes, (), reply.reason, reply.detail, int(reply.chunk_bytes))
         return RegistrationGrant(True, reply.registration_id, nbytes, plan_chunks(nbytes, int(reply.chunk_bytes)),
                                  chunk_bytes=int(reply.chunk_bytes))
+
+    def _ask(self, nbytes: int, label: str, wait: float,
+             ranges: Sequence[tuple[str, int, int]] = ()) -> pb.AdmitRegistrationReply:
+        """AdmitRegistration, asked again with the ticket while the daemon
+        answers "queued" and ``wait`` lasts. The daemon never holds a call
+        open for the wait (it answers at once), so each ask is a short call;
+        the waiting happens here, in this worker.
+
+        Raises:
+            HwrError: a call failed (the daemon is unreachable, ...).
+        """
+        sid = self.session.session_id()
+        deadline = time.monotonic() + max(0.0, wait)
+        ticket = ""
+        pinned = [pb.PinnedRange(key=k, offset=o, length=n) for k, o, n in ranges]
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            reply = call_unary(self.session.runtime.AdmitRegistration,
+                               pb.AdmitRegistrationRequest(session_id=sid, nbytes=nbytes, label=label,
+                                                           wait_ms=int(left * 1000), queue_ticket=ticket,
+                                                           ranges=pinned),
+                               timeout=DEFAULT_TIMEOUT_S)
+            if reply.admitted or reply.reason != QUEUED:
+                return reply
+            if time.monotonic() >= deadline:
+                # Our wait is over: the daemon drops the ticket when it is
+                # not asked again; this worker stages.
+                return pb.AdmitRegistrationReply(admitted=False, chunk_bytes=reply.chunk_bytes, reason="busy",
+                                                 detail=f"still queued after {wait:g} s: {reply.detail}")
+            ticket = reply.queue_ticket
+            pause = min(_MAX_RETRY_S, max(0.01, reply.retry_after_ms / 1000.0), deadline - time.monotonic())
+            time.sleep(max(0.0, pause))
 
     def chunk_done(self, grant: RegistrationGrant, nbytes: int, seconds: float) -> bool:
         """Reports one registered chunk; False when the daemon no longer

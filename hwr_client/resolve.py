@@ -10,8 +10,11 @@ preferred  LOCAL_HIT with a lease       CANONICAL_FALLBACK + reason  FAILED
 required   LOCAL_HIT with a lease       FAILED + how to populate     FAILED
 =========  ===========================  ===========================  ==================================
 
-"Unusable" is an artifact that is quarantined, damaged, or fails the
-lease-time verification. A daemon that cannot take this worker now
+"Unusable" is an artifact that is quarantined, damaged, fails the
+lease-time verification, or was published by someone this worker does not
+trust (README "Trust": its own uid, root, the daemon's uid and the
+daemon's ``trusted_publishers``; the daemon refuses the others and names
+the publisher, which the FAILED error and the fallback reason repeat). A daemon that cannot take this worker now
 (RESOURCE_EXHAUSTED: its stream, session or lease caps are full) is a miss
 too: preferred falls back canonically with the reason logged, required
 fails; it is not a broken identity. A non-retryable failure (InvalidArgument,
@@ -33,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from hwr_client.channel import DEFAULT_TIMEOUT_S
 from hwr_client.core.errors import (FailedPrecondition, HwrError, InvalidArgument, NotFound, ResourceExhausted,
-                                    Unavailable)
+                                    Unavailable, UntrustedPublisher)
 from hwr_client.core.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,9 @@ class Resolution:
         reason: one line for logs: why this outcome.
         error: the HwrError behind a FAILED or a fallback, else None. On
             FAILED, raise it (its message says what to do).
+        publisher: on LOCAL_HIT, who published the artifact as the daemon
+            recorded it (e.g. ``uid 0 (pid 4242, python3)``, or ``the
+            daemon (pulled from …, signed by SHA256:…)``).
     """
 
     outcome: Outcome
@@ -92,6 +98,7 @@ class Resolution:
     key: str = ""
     reason: str = ""
     error: HwrError | None = None
+    publisher: str = ""
 
     @property
     def hit(self) -> bool:
@@ -129,6 +136,8 @@ def _miss(mode: Mode, key: str, reason: str, error: HwrError) -> Resolution:
         error = Unavailable(f"HWR required: {reason}; start the daemon (`hwr serve`) or use mode=preferred")
     elif isinstance(error, ResourceExhausted):
         error = ResourceExhausted(f"HWR required: {reason}; retry when the daemon has room, or use mode=preferred")
+    elif isinstance(error, UntrustedPublisher):
+        error = UntrustedPublisher(f"HWR required: {error}")
     else:
         error = FailedPrecondition(f"HWR required: artifact {key[:12]} is unusable ({error}); "
                                    f"{_populate_hint(key)} after `hwr verify {key}`")
@@ -185,6 +194,8 @@ def resolve(client: Any, identity: Identity | Mapping | str, *, mode: Mode | str
             lease = acquire(client, key, verify=verify)
     except NotFound as exc:
         return _miss(mode, key, f"artifact {key[:12]} not in the store", exc)
+    except UntrustedPublisher as exc:
+        return _miss(mode, key, str(exc), exc)
     except FailedPrecondition as exc:
         return _miss(mode, key, f"artifact {key[:12]} unusable: {exc}", exc)
     except Unavailable as exc:
@@ -196,9 +207,11 @@ def resolve(client: Any, identity: Identity | Mapping | str, *, mode: Mode | str
     except HwrError as exc:
         # InvalidArgument, PermissionDenied, Internal...: not a miss.
         return _failed(mode, key, f"{type(exc).__name__}: {exc}", exc)
-    log.info("HWR resolve %s: LOCAL_HIT (lease %s…)%s", key[:12], lease.lease_id[:8], pulled and f" {pulled}")
+    log.info("HWR resolve %s: LOCAL_HIT (lease %s…, published by %s)%s", key[:12], lease.lease_id[:8],
+             lease.publisher or "?", pulled and f" {pulled}")
     return Resolution(Outcome.LOCAL_HIT, mode, lease=lease, key=key,
-                      reason=f"exact artifact in the store ({pulled})" if pulled else "exact artifact in the store")
+                      reason=f"exact artifact in the store ({pulled})" if pulled else "exact artifact in the store",
+                      publisher=lease.publisher)
 
 
 #: Pull on a miss: seconds the worker waits without progress from the daemon

@@ -36,6 +36,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
 }
 assert TORCH_DTYPES.keys() == DTYPE_SIZES.keys()
 _BY_TORCH = {v: k for k, v in TORCH_DTYPES.items()}

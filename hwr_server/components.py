@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from hwr_server.access.trust import TrustPolicy
 from hwr_server.gc.collector import Collector
 from hwr_server.leases.manager import LeaseManager
 from hwr_server.metrics import Metrics
@@ -36,6 +37,8 @@ class Components:
     metrics: Metrics
     registration: RegistrationAdmission
     remote: Remote
+    #: Whose artifacts each caller takes (README "Trust").
+    trust: TrustPolicy
     #: The handoff socket of the publications' handoff transport; None where
     #: it is not offered (not bound, or file leases unavailable).
     handoff: HandoffListener | None = None

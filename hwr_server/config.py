@@ -65,6 +65,35 @@ class RemoteConfig:
     #: and size, while it downloads) or "full" (also re-hashes every tensor
     #: and block against the pulled manifest, as `hwr verify` does).
     verify_pull: str = "file"
+    #: Ed25519 private key (PEM, a file of the daemon's user, mode 0600;
+    #: `hwr keys generate PATH`) that signs every push; "" = pushes are
+    #: unsigned. Read at each push, so `hwr keys rotate` needs no restart.
+    signing_key: str = ""
+    #: Public keys (`ssh-ed25519 AAAA...` lines, as `hwr keys show` prints)
+    #: whose signature a pull requires: with any set, a pull or pull on a
+    #: miss of an artifact no listed key signed is PERMISSION_DENIED and
+    #: stores nothing. Empty (default): pulls are not checked for
+    #: signatures; the configured registry is trusted (README "Trust").
+    trusted_keys: list[str] = dataclasses.field(default_factory=list)
+    #: Pulls on a miss in flight on the node at once (distinct keys; callers
+    #: of a key in flight join it). More: RESOURCE_EXHAUSTED at once. Count.
+    max_pulls: int = 4
+    #: Pulls on a miss one user (uid; all callers without a peer token
+    #: together) may have started and still in flight. Count.
+    max_pulls_per_peer: int = 2
+    #: A pull on a miss that failed (not found, refused, unreachable) is
+    #: answered from memory for this long instead of asking the registry
+    #: again. Seconds; 0 = never cached.
+    miss_cache_s: float = 30.0
+    #: A layer download must keep up this many bytes per second over each
+    #: ``timeout_s`` window, or it is cut (UNAVAILABLE; a retry resumes).
+    #: Bytes per second; 0 = no minimum.
+    min_rate_bytes: int = 64 * 1024
+    #: Origins (``https://auth.example[:port]``) besides the registry itself
+    #: whose Bearer realm may issue its tokens (Docker Hub:
+    #: ``https://auth.docker.io``). A realm elsewhere is refused: the daemon
+    #: never fetches a URL a registry names, nor sends credentials there.
+    token_realms: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_mapping(cls, doc: Any, *, what: str) -> "RemoteConfig":
@@ -83,7 +112,9 @@ class RemoteConfig:
                 continue
             default = getattr(defaults, k)
             ok = (type(v) is bool if isinstance(default, bool) else type(v) is int if isinstance(default, int)
-                  else type(v) in (int, float) if isinstance(default, float) else isinstance(v, str))
+                  else type(v) in (int, float) if isinstance(default, float)
+                  else isinstance(v, list) and all(isinstance(x, str) for x in v) if isinstance(default, list)
+                  else isinstance(v, str))
             if not ok:
                 raise InvalidArgument(f"{what}: remote.{k} = {v!r} has the wrong type; expected "
                                       f"{type(default).__name__}")
@@ -192,6 +223,19 @@ class ServerConfig:
     #: is for the next start: on a busy node the serving workers' threads come
     #: first. Default 10.
     publication_nice: int = 10
+    #: Publications the processes of one uid run at once, together; the next
+    #: waits for one of that uid's own, holding no global slot. Root and the
+    #: daemon's own uid are not capped by it (the node's operator). Count;
+    #: 0 = half of max_publications (at least 1), so other users always
+    #: find a slot.
+    max_publications_per_uid: int = 0
+    #: Payload bytes a publication must bring per second of the time the
+    #: daemon spends waiting for its next message, measured over each
+    #: publication_idle_s of such waiting; a slower one ends ABORTED (its
+    #: slot freed): a client trickling a byte at a time cannot hold a slot.
+    #: The daemon's own time (writing, hashing, collecting) is not counted.
+    #: Bytes/s; 0 = no floor. Default 64 KiB/s.
+    publication_min_bytes_per_s: int = 64 * 1024
 
     # -- threads, streams, sessions and peers (hwr_server.access.admission, .peers, .leases) --
     #: Client streams (Session, Publish) one process, as proven by the peer
@@ -202,6 +246,13 @@ class ServerConfig:
     #: The same cap for every caller without a peer token together (old
     #: clients, raw gRPC); 0 refuses their streams. Count. Default 8.
     max_streams_anonymous: int = 8
+    #: Client streams the processes of one uid (as proven by the handshake)
+    #: may hold together on one socket; more answer RESOURCE_EXHAUSTED. Root
+    #: and the daemon's own uid are not capped by it. Count; 0 = half of the
+    #: socket's stream capacity (24 with the default grpc_threads), so one
+    #: user forking processes cannot take every stream. A node that runs
+    #: all its workers as one non-root uid raises it.
+    max_streams_per_uid: int = 0
     #: A client stream that sends no first message (SessionOpen, the plan)
     #: within this long is cancelled and its thread freed. Seconds. Default 10.
     stream_first_message_timeout_s: float = 10.0
@@ -213,6 +264,18 @@ class ServerConfig:
     #: Count. Default 1024 (a worker holds one per artifact it maps).
     max_leases_per_session: int = 1024
 
+    # -- trust in publishers (hwr_server.access.trust; README "Trust") --
+    #: Publishers whose artifacts every worker takes, besides its own uid,
+    #: root and the daemon's uid: user names or uids, and groups as
+    #: "group:NAME" or "group:GID" (members and users of that primary
+    #: group). Resolved when the daemon starts; an unknown name refuses to
+    #: start. Default: none.
+    trusted_publishers: list[str] = dataclasses.field(default_factory=list)
+    #: Artifacts with no publisher record (published before the daemon kept
+    #: them) count as the daemon's. Default false: nobody takes them until
+    #: they are published again (or this is set, after checking the store).
+    trust_unrecorded_publishers: bool = False
+
     # -- host registration admission (hwr_server.registration.admission) --
     #: Bytes of host memory all workers of the node may have registered
     #: (pinned for the device) at once; more is refused "budget" and the
@@ -222,20 +285,29 @@ class ServerConfig:
     #: registration_budget_bytes is 0. In (0, 1]; default 0.5: pinned pages
     #: cannot be reclaimed, and the page cache and the workers need the rest.
     registration_budget_fraction: float = 0.5
-    #: Registrations in flight on the node at once; more wait (up to
-    #: registration_max_wait_s), then are refused "busy". Count. Default 1:
-    #: pinning serializes on driver-global locks anyway.
+    #: Registrations in flight on the node at once; more are queued (up to
+    #: registration_max_wait_s, asking again with a ticket; no daemon thread
+    #: waits), then refused "busy". Count. Default 1: pinning serializes on
+    #: driver-global locks anyway.
     max_registrations_in_flight: int = 1
     #: Largest range a worker registers in one call, bytes; each chunk is
     #: logged and counted. Default 1 GiB.
     registration_chunk_bytes: int = 1024 ** 3
     #: A chunk not reported within this long is a stall: logged, counted,
-    #: shown in `hwr stats`, and new registrations are refused "watchdog"
-    #: until it completes. Seconds. Default 60 (1 GiB of cold pages from a
-    #: slow disk takes well under that).
+    #: shown in `hwr stats`; its in-flight slot goes to the next request and
+    #: the stalled session's new requests are refused "watchdog" until it
+    #: completes (other workers are not). Seconds. Default 60 (1 GiB of cold
+    #: pages from a slow disk takes well under that).
     registration_chunk_timeout_s: float = 60.0
-    #: Longest a request waits for an in-flight slot. Seconds. Default 300.
+    #: Longest a request stays queued for an in-flight slot. Seconds. Default 300.
     registration_max_wait_s: float = 300.0
+    #: Fraction of the budget the registrations of one uid may hold together;
+    #: more is refused "budget". Root and the daemon's own uid are not capped
+    #: by it. In (0, 1]; default 0.5: one user cannot pin the whole budget.
+    registration_uid_share: float = 0.5
+    #: Requests of one uid queued for the in-flight slot at once; more are
+    #: refused "busy" at once. Count; default 4.
+    max_registration_waiters_per_uid: int = 4
 
     # -- many nodes: the OCI registry (hwr_server.remote.remote) --
     #: The ``[remote]`` table (see RemoteConfig).
@@ -277,6 +349,10 @@ class ServerConfig:
             raise InvalidArgument(f"config: [remote] verify_pull {rem.verify_pull!r}: expected 'file' or 'full'")
         if rem.parallel_layers < 1 or rem.layer_attempts < 1:
             raise InvalidArgument("config: [remote] parallel_layers and layer_attempts must be at least 1")
+        if rem.max_pulls < 1 or rem.max_pulls_per_peer < 1:
+            raise InvalidArgument("config: [remote] max_pulls and max_pulls_per_peer must be at least 1")
+        if rem.miss_cache_s < 0 or rem.min_rate_bytes < 0:
+            raise InvalidArgument("config: [remote] miss_cache_s and min_rate_bytes must not be negative")
         return self
 
     @classmethod
@@ -302,7 +378,9 @@ class ServerConfig:
             # k is one of our own field names (checked above): the default's
             # type is what the value must have.
             default = getattr(defaults, k)
-            if isinstance(default, bool) or type(default) is int:
+            if isinstance(default, bool):
+                ok = type(v) is bool
+            elif type(default) is int:
                 ok = type(v) is int
             elif isinstance(default, float):
                 ok = type(v) in (int, float)

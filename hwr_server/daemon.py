@@ -38,6 +38,7 @@ from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_server.access import peers, runtime_dir
 from hwr_server.access.admission import Deadlines, StreamAdmission
 from hwr_server.access.lock import InstanceLock
+from hwr_server.access.trust import TrustPolicy, resolve_publishers
 from hwr_server.components import Components
 from hwr_server.config import ServerConfig
 from hwr_server.gc.collector import Collector
@@ -48,6 +49,7 @@ from hwr_server.publish.handed import leases_work
 from hwr_server.publish.handoff import HandoffListener
 from hwr_server.registration.admission import RegistrationAdmission
 from hwr_server.remote.remote import Remote
+from hwr_server.remote.signing import parse_trusted_keys
 from hwr_server.rpc import servicer
 from hwr_server.sdnotify import Notifier
 from hwr_server.sources.cache import SourceCache
@@ -157,14 +159,22 @@ class Daemon:
             False: StreamAdmission(cfg, socket_name="runtime socket", deadlines=deadlines),
             True: StreamAdmission(cfg, socket_name="admin socket", deadlines=deadlines, per_peer=False),
         }
+        # Who may take whose artifacts: trusted_publishers resolved now (an
+        # unknown name refuses to start), the [remote] trusted_keys parsed.
+        trust = TrustPolicy(trusted_uids=resolve_publishers(cfg.trusted_publishers),
+                            trusted_keys=frozenset(parse_trusted_keys(cfg.remote.trusted_keys)),
+                            trust_unrecorded=cfg.trust_unrecorded_publishers)
+        if cfg.remote.registry and not cfg.remote.trusted_keys:
+            log.warning("[remote] %s: no trusted_keys; pulled artifacts are trusted without a signature "
+                        "(README \"Trust\")", cfg.remote.registry)
         # Push and pull read and commit through the store; no background work.
-        remote = Remote(cfg, store)
+        remote = Remote(cfg, store, trust=trust)
         figures: list[tuple[str, StatsSource]] = [
             ("store", StoreStats(store.figures)), ("leases", leases), ("sources", sources), ("gc", gc),
             ("scrub", scrub), ("streams", self._admission[False]), ("registration", registration), ("remote", remote), ("daemon", self)]
         metrics = self._built("metrics", Metrics(cfg, figures, started_unix=self.started_unix))
         handoff = HandoffListener(cfg.socket + HANDOFF_SOCKET_SUFFIX)
-        return Components(store, leases, sources, gc, scrub, metrics, registration, remote, handoff)
+        return Components(store, leases, sources, gc, scrub, metrics, registration, remote, trust, handoff)
 
     def _built(self, name: str, component: _C) -> _C:
         """Records a component with background work for start() and shutdown()."""

@@ -32,16 +32,19 @@ import threading
 from typing import ContextManager, Mapping, Protocol, Sequence
 
 from hwr_client.core.manifest import Manifest
+from hwr_server.access.publisher import Publisher
 
 
 class CapacityHook(Protocol):
-    """Called with a publication's payload bytes before they are reserved;
-    raises ResourceExhausted when they cannot fit.
+    """Called with a publication's or a pull's payload bytes before they
+    are written; raises ResourceExhausted when they cannot fit.
 
-    ``evict=False`` (at plan) is a dry run: it refuses what cannot fit even
-    after collecting, and deletes nothing. ``evict=True`` (at the first
-    payload chunk) may collect unleased artifacts to make room. ``who``
-    names the publication and its peer in the log of what was collected.
+    ``evict=False`` (at plan, for the whole claim) is a dry run: it refuses
+    what cannot fit even after collecting, and deletes nothing.
+    ``evict=True`` (for each step of bytes as they arrive,
+    :mod:`hwr_server.store.capacity`) may collect unleased artifacts to make
+    room for that step. ``who`` names the transfer and its peer in the log
+    of what was collected and in a refusal.
     """
 
     def __call__(self, nbytes: int, *, evict: bool = True, who: str = "") -> None: ...
@@ -98,7 +101,6 @@ class LeaseStore(Protocol):
     def contains(self, key: str) -> bool:
         """Whether ``key`` is published now (re-checked after a grant)."""
         ...
-
 
 class GcStore(Protocol):
     """What garbage collection needs of the store."""
@@ -184,7 +186,7 @@ class SequenceStore(Protocol):
     def blob_refs(self) -> dict[str, set[str]]: ...
     def known_bad_blobs(self) -> set[str]: ...
     def indexed(self, key: str) -> Manifest | None: ...
-    def index_published(self, key: str, manifest: Manifest) -> None: ...
+    def index_published(self, key: str, manifest: Manifest, publisher: Publisher) -> None: ...
     def index_unpublished(self, key: str, *, quarantine_entry: str = "", reason: str = "",
                           manifest: Manifest | None = None) -> None: ...
 
@@ -201,6 +203,11 @@ class RemoteStore(SequenceStore, Protocol):
     def manifest_json(self, key: str) -> str: ...
 
     def contains(self, key: str) -> bool: ...
+
+    def publisher(self, key: str) -> Publisher | None:
+        """Who published ``key`` (a push spreads only trusted artifacts);
+        None when it is not published."""
+        ...
 
     def claim(self, key: str, pub_id: str) -> bool:
         """Single flight with publications; True when already published."""

@@ -66,7 +66,9 @@ HELP = {
     "hwr_uptime_seconds": "Seconds since the daemon started.",
     "hwr_scrub_bytes": "Bytes re-hashed by the background scrub.",
     "hwr_registration_budget_bytes": "Node-wide budget of host bytes registered (pinned) for the device.",
-    "hwr_registration_admitted_bytes": "Host bytes admitted for registration on the node now.",
+    "hwr_registration_admitted_bytes": "Host bytes pinned for registration on the node now, each file byte once.",
+    "hwr_registration_requested_bytes": "Sum of the admitted registrations' bytes (pages shared by workers count "
+                                        "once per worker).",
     "hwr_registration_worker_bytes": "Host bytes admitted for registration per worker (session, pid).",
     "hwr_registrations_in_flight": "Registrations admitted whose chunks are not all reported yet.",
     "hwr_registration_admissions": "Registration requests by outcome (admitted or the refusal reason).",

@@ -1,68 +1,63 @@
 #!/usr/bin/env bash
-# The one command for a GPU machine:
+# The one command of the first GPU run (issue 23; README "First GPU run"):
 #
-#   bash bench/gpu/run.sh [OUT_DIR] [--wheelhouse DIR] [--dry-run]
+#   bash bench/gpu/run.sh OUT [--dry-run] [--wheels DIR]
 #
-# Runs every CUDA test (pytest -m cuda, which includes host registration
-# through a real daemon's admission: tests/runtime/test_registration_wiring.py),
-# bench/dlo_gpu.py (--quick sizes plus one 4 GiB disk-file registration, cold
-# and pre-faulted) and the CUDA rows of bench/startup.py; JSON and logs go to
-# OUT_DIR (default bench/results/gpu-<timestamp>), a summary table to stdout;
-# the exit status is non-zero when any step or check failed. Budget: < 6
-# minutes on one H200.
+# On the lent GPU image (x86-64, python3 = Python 3.12 with its own torch,
+# no diffusers, no grpcio-health-checking, nothing fetchable), in at most 5
+# minutes: installs the carried cp312 wheels the image lacks or has too old
+# (DIR, default .whl, built on a machine with an index by
+# `python bench/gpu/wheels.py build .whl` from bench/gpu/wheels.lock) with
+# pip --no-index --no-deps --target into a temporary directory appended to
+# PYTHONPATH after the repository; then bench/gpu/runner.py runs: versions
+# and the GPU's capability row + the probe matrix (bench/gpu/probe.py),
+# pytest -m cuda -rs, bench/dlo_gpu.py --quick and bench/startup.py's CUDA
+# rows. OUT receives gpu.json (everything) and gpu.log; the summary goes to
+# stdout; the exit status is non-zero when any step or check failed.
+# --dry-run (CPU, CI) imports everything and collects the CUDA tests.
 #
-# Interpreter: the machine's own python3 with PYTHONPATH=. when the project's
-# dependencies import; else, with --wheelhouse DIR, `.ci/setup --wheelhouse
-# DIR` builds .venv offline and that is used; else an existing .venv.
-# --dry-run prints the plan and imports everything, runs nothing CUDA, exit 0.
+# The interpreter is $PYTHON, else python3 (the image's, which holds torch:
+# never a venv of our own, which would not see it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+REPO=$PWD
 
-OUT="" WHEELHOUSE="" DRY=""
+OUT="" DRY="" WHEELS=.whl
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY="--dry-run"; shift ;;
-    --wheelhouse) WHEELHOUSE="${2:?--wheelhouse needs a directory}"; shift 2 ;;
-    --wheelhouse=*) WHEELHOUSE="${1#*=}"; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --wheels) WHEELS="${2:?--wheels needs a directory}"; shift 2 ;;
+    --wheels=*) WHEELS="${1#*=}"; shift ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     -*) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
-    *) [ -z "$OUT" ] || { echo "run.sh: one OUT_DIR only" >&2; exit 2; }; OUT="$1"; shift ;;
+    *) [ -z "$OUT" ] || { echo "run.sh: one OUT only" >&2; exit 2; }; OUT="$1"; shift ;;
   esac
 done
-OUT="${OUT:-bench/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)}"
-export PYTHONPATH=.
+[ -n "$OUT" ] || { echo "run.sh: usage: bash bench/gpu/run.sh OUT [--dry-run] [--wheels DIR]" >&2; exit 2; }
+PY=${PYTHON:-python3}
+
+SITE=""
+if [ -d "$WHEELS" ]; then
+  SITE=$(mktemp -d "${TMPDIR:-/tmp}/hwr-gpu-site.XXXXXX")
+  trap 'rm -rf "$SITE"' EXIT
+  # Only what this interpreter lacks or has too old (bench/gpu/wheels.lock).
+  PYTHONPATH="$REPO" "$PY" bench/gpu/wheels.py install "$WHEELS" "$SITE"
+fi
+# Appended, never replaced: the repository first, then the carried wheels,
+# then whatever PYTHONPATH the image sets; all before its site-packages.
+export PYTHONPATH="$REPO${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
 
 # What the run imports: if these fail, the interpreter cannot run the plan.
 # The generated stubs are imported too: an older protobuf/grpcio than they
 # need fails there, not at `import grpc`.
 PROBE="import torch, grpc, google.protobuf, grpc_health.v1, pytest, hwr_client.client, hwr_client.core._proto.hwr_pb2_grpc, hwr_client.registration, hwr_server, dlo_runtime"
-PY=""
-if [ -n "$WHEELHOUSE" ]; then
-  # Offline install (no registry): .ci/setup owns how; we only call it.
-  bash .ci/setup --wheelhouse "$WHEELHOUSE"
-  PY=.venv/bin/python
-elif python3 -c "$PROBE" 2>/dev/null; then
-  PY=python3
-elif [ -x .venv/bin/python ] && .venv/bin/python -c "$PROBE" 2>/dev/null; then
-  PY=.venv/bin/python
-else
-  echo "run.sh: python3 lacks the project's dependencies:" >&2
-  python3 -c "$PROBE" 2>&1 | tail -1 >&2 || true
-  echo "run.sh: rerun with --wheelhouse DIR (built by: bash .ci/wheelhouse DIR)" >&2
+if ! "$PY" -c "$PROBE" 2>/dev/null; then
+  echo "run.sh: $PY lacks the project's dependencies:" >&2
+  "$PY" -c "$PROBE" 2>&1 | tail -1 >&2 || true
+  echo "run.sh: carry the wheels: python bench/gpu/wheels.py build $WHEELS (then name $WHEELS in carry)" >&2
   exit 3
 fi
-echo "run.sh: interpreter $PY ($("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'))"
-if [ -z "$DRY" ]; then
-  exec "$PY" bench/gpu/runner.py "$OUT" --python "$PY"
-fi
-"$PY" bench/gpu/runner.py "$OUT" --python "$PY" --dry-run
-# Name the CUDA tests of the registration-admission path (daemon budget ->
-# chunked cudaHostRegister -> release), so a plan without them shows.
-ADMISSION=$("$PY" -m pytest -q -p no:cacheprovider --collect-only -m cuda tests/runtime/test_registration_wiring.py \
-  | grep '::' || true)
-if [ -z "$ADMISSION" ]; then
-  echo "run.sh: no cuda test of the registration-admission path collected (tests/runtime/test_registration_wiring.py)" >&2
-  exit 1
-fi
-echo "registration admission path (in pytest_cuda):"
-echo "$ADMISSION" | sed 's/^/  /'
+echo "run.sh: $("$PY" -c 'import sys, torch; print(sys.executable, sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)')"
+rc=0
+"$PY" bench/gpu/runner.py "$OUT" --python "$PY" $DRY || rc=$?
+exit $rc

@@ -1,13 +1,18 @@
 """The steps of ``bench/gpu/run.sh``: plan, run with per-step time limits,
-summarise. ``run.sh`` picks the interpreter; this file does the rest so the
-plan and the summary are testable on CPU (tests/e2e/test_gpu_runner.py).
+summarise into ONE JSON and ONE log. ``run.sh`` installs the carried wheels
+and sets PYTHONPATH; this file does the rest so the plan and the summary are
+testable on CPU (tests/e2e/test_gpu_runner.py).
 
     python bench/gpu/runner.py OUT_DIR [--dry-run]
 
-Each step's stdout/stderr go to ``OUT_DIR/<step>.log``; ``OUT_DIR/summary.json``
-holds every step's status and every named check. Exit 1 when any step or
-check failed, 0 otherwise (and always 0 for ``--dry-run`` once the imports
-and the collection succeeded).
+OUT_DIR receives exactly two files (a device run returns at most eight):
+``gpu.json`` (every step's status and output, the pytest counts and every
+skip reason, the numbers, the named checks) and ``gpu.log`` (every step's
+stdout/stderr in order, then the summary table). Step outputs are written to
+a scratch directory on the repository's filesystem (a disk: the probe's file
+rows need one), removed at the end. Exit 1 when any step or check failed, 0
+otherwise; ``--dry-run`` imports every module, collects the CUDA tests and
+runs nothing CUDA (exit 0 once that worked).
 """
 
 from __future__ import annotations
@@ -17,20 +22,26 @@ import dataclasses
 import importlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-#: Whole run on one H200 must stay under 6 minutes: the step limits sum to 5.5.
-BUDGET_S = 330
+#: The whole run on one H200 must stay within 5 minutes (a rerun must fit the
+#: 15 minutes of device time, machine start included): step limits sum to this.
+BUDGET_S = 285
+#: The world_size=1 NCCL smoke test of the gather engine (finding 10).
+NCCL_TEST = "test_gather_engine_over_nccl_with_one_rank"
 
 #: Modules the real run imports; the dry run imports them all (no CUDA call).
 IMPORTS = ("torch", "grpc", "google.protobuf", "grpc_health.v1", "pytest", "hwr_client.client",
-           "hwr_client.core._proto.hwr_pb2_grpc", "hwr_server",
-           "dlo_runtime", "dlo_runtime.cuda_host", "dlo_runtime.transports", "dlo_runtime.backend",
-           "bench.dlo_gpu", "bench.startup")
+           "hwr_client.core._proto.hwr_pb2_grpc", "hwr_server", "dlo_runtime", "dlo_runtime.cuda_host",
+           "dlo_runtime.transports", "dlo_runtime.backend", "dlo_runtime.pinned", "bench.dlo_gpu", "bench.startup",
+           "bench.gpu.probe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +54,33 @@ class Step:
     json_out: str | None = None
 
 
-def plan(out_dir: str, python: str = sys.executable) -> list[Step]:
-    """The steps, in order, with limits that sum to :data:`BUDGET_S`."""
-    out = os.path.abspath(out_dir)
+def cuda_test_files() -> list[str]:
+    """The test modules holding ``cuda``-marked tests: pytest collects only
+    these (a module the image cannot import elsewhere must not fail the run)."""
+    out = []
+    for dirpath, _, files in os.walk(os.path.join(REPO, "tests")):
+        for name in sorted(files):
+            if name.startswith("test_") and name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    if "mark.cuda" in f.read():
+                        out.append(os.path.relpath(path, REPO))
+    return sorted(out)
+
+
+def plan(scratch: str, python: str = sys.executable) -> list[Step]:
+    """The steps, in order, with limits that sum to at most :data:`BUDGET_S`."""
+    j = lambda name: os.path.join(scratch, name)  # noqa: E731
     steps = [
+        Step("probe", (python, "bench/gpu/probe.py", "--gib", "1", "--disk-dir", scratch, "--out", j("probe.json")),
+             40, j("probe.json")),
         Step("pytest_cuda", (python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "-rs",
-                             "--junitxml", os.path.join(out, "pytest_cuda.xml"), "tests"), 90),
-        Step("dlo_gpu", (python, "bench/dlo_gpu.py", "--quick", "--reg-gib", "4", "--disk-dir", out,
-                         "--out", os.path.join(out, "dlo_gpu.json")), 140, os.path.join(out, "dlo_gpu.json")),
-        # bench/startup.py's CUDA rows: --device cuda adds "warm (registered)"
-        # and forces the staging row through a tiny registration limit.
-        Step("startup_cuda", (python, "bench/startup.py", "--device", "cuda", "--sizes", "256MiB,1GiB",
-                              "--workers", "2", "--repeat", "1", "--out", os.path.join(out, "startup_cuda.json")),
-             100, os.path.join(out, "startup_cuda.json")),
+                             "--junitxml", j("junit.xml"), *cuda_test_files()), 100),
+        Step("dlo_gpu", (python, "bench/dlo_gpu.py", "--quick", "--out", j("dlo_gpu.json")), 70, j("dlo_gpu.json")),
+        # bench/startup.py's CUDA rows: the ordinary worker resident on the
+        # GPU (finding 3), warm (staging) and warm (registered).
+        Step("startup_cuda", (python, "bench/startup.py", "--device", "cuda", "--sizes", "256MiB", "--workers", "2",
+                              "--repeat", "1", "--out", j("startup.json")), 75, j("startup.json")),
     ]
     assert sum(s.timeout_s for s in steps) <= BUDGET_S
     return steps
@@ -63,8 +88,8 @@ def plan(out_dir: str, python: str = sys.executable) -> list[Step]:
 
 def dry_run(out_dir: str, python: str) -> int:
     """Prints the plan, imports every module the run needs and collects the
-    CUDA tests; nothing touches a GPU."""
-    steps = plan(out_dir, python)
+    CUDA tests; nothing touches a GPU and nothing is written."""
+    steps = plan("<scratch>", python)
     print(f"plan ({sum(s.timeout_s for s in steps)} s of step limits, budget {BUDGET_S} s), output in {out_dir}:")
     for s in steps:
         print(f"  {s.name:13} <= {s.timeout_s:3d} s  {' '.join(s.argv)}")
@@ -77,30 +102,40 @@ def dry_run(out_dir: str, python: str) -> int:
     for f in failed:
         print(f"import FAILED {f}")
     collect = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "-m", "cuda",
-                              "tests"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    n = sum(1 for line in collect.stdout.splitlines() if "::" in line)
-    print(f"cuda tests collected: {n}")
-    if failed or collect.returncode != 0 or n == 0:
+                              *cuda_test_files()], cwd=REPO, capture_output=True, text=True, timeout=120)
+    ids = [line for line in collect.stdout.splitlines() if "::" in line]
+    print(f"cuda tests collected: {len(ids)}")
+    for line in ids:
+        print(f"  {line}")
+    if failed or collect.returncode != 0 or not ids or not any(NCCL_TEST in i for i in ids):
         print(collect.stdout[-2000:] + collect.stderr[-2000:])
         return 1
     print("dry run ok: nothing CUDA was run")
     return 0
 
 
-def _run_step(step: Step, out_dir: str) -> dict:
-    log_path = os.path.join(out_dir, f"{step.name}.log")
+def _run_step(step: Step, log) -> dict:
+    log.write(f"\n===== {step.name}: {' '.join(step.argv)}\n")
+    log.flush()
     t0 = time.monotonic()
-    with open(log_path, "w") as log:
-        try:
-            proc = subprocess.run(step.argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=step.timeout_s)
-            rc: int | str = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = f"timeout after {step.timeout_s} s"
+    # Its own process group: a step that runs out of time is killed with
+    # every process it started (daemons, workers), which would otherwise
+    # hold the GPU and the disk through the steps after it.
+    proc = subprocess.Popen(step.argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc: int | str = proc.wait(timeout=step.timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()  # reap it before the next step starts
+        rc = f"timeout after {step.timeout_s} s"
+    log.flush()
     return {"name": step.name, "rc": rc, "ok": rc == 0, "seconds": round(time.monotonic() - t0, 1),
-            "log": log_path, "argv": list(step.argv)}
+            "argv": list(step.argv)}
 
 
-def _junit_counts(path: str) -> dict:
+def junit(path: str) -> dict:
+    """Counts, every skip with its reason, and every failure (name and the
+    first lines of its message) from pytest's junit XML."""
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
@@ -108,45 +143,73 @@ def _junit_counts(path: str) -> dict:
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     if suite is None:
         return {}
-    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    out: dict = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    out["skips"], out["failed"], out["passed"] = [], [], []
+    for case in suite.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        skip = case.find("skipped")
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if skip is not None:
+            out["skips"].append({"test": name, "reason": skip.get("message", "")})
+        elif bad is not None:
+            out["failed"].append({"test": name, "message": (bad.get("message") or "")[:800]})
+        else:
+            out["passed"].append(name)
+    return out
 
 
-def summarise(out_dir: str, steps: list[dict]) -> dict:
-    """The summary document: step status, the numbers that matter, checks."""
-    doc: dict = {"steps": steps, "checks": {}, "numbers": {}}
-    for s in steps:
-        doc["checks"][f"step {s['name']}"] = s["ok"]
-    counts = _junit_counts(os.path.join(out_dir, "pytest_cuda.xml"))
-    doc["numbers"]["pytest_cuda"] = counts
-    if counts:
-        doc["checks"]["cuda tests ran (not all skipped)"] = counts["tests"] > counts["skipped"]
+def _load(path: str | None) -> dict | None:
     try:
-        with open(os.path.join(out_dir, "dlo_gpu.json")) as f:
-            d = json.load(f)
+        with open(path or "") as f:
+            return json.load(f)
     except (OSError, ValueError):
-        d = None
+        return None
+
+
+def summarise(scratch: str, steps: list[dict]) -> dict:
+    """The one document: step status, every step's output, numbers, checks."""
+    doc: dict = {"steps": steps, "checks": {}, "numbers": {}}
+    checks, n = doc["checks"], doc["numbers"]
+    for s in steps:
+        checks[f"step {s['name']}"] = s["ok"]
+    tests = doc["pytest_cuda"] = junit(os.path.join(scratch, "junit.xml"))
+    if tests:
+        n["pytest_cuda"] = {k: tests[k] for k in ("tests", "failures", "errors", "skipped")}
+        checks["cuda tests ran (not all skipped)"] = tests["tests"] > tests["skipped"]
+        checks["cuda tests passed"] = tests["failures"] == 0 and tests["errors"] == 0
+        checks["NCCL world_size=1 gather engine"] = any(NCCL_TEST in p for p in tests["passed"])
+    probe = doc["probe"] = _load(os.path.join(scratch, "probe.json"))
+    if probe:
+        n["device"] = probe["device"]
+        n["versions"] = probe["versions"]
+        n["probe_decision"] = probe["decision"]
+        n["registration"] = {f"{r['mapping']}/{r['flag']}/{r['state']}": _probe_cell(r) for r in probe["rows"]}
+        checks["probe decision agrees with the code's rule"] = bool(probe["agrees"])
+    d = doc["dlo_gpu"] = _load(os.path.join(scratch, "dlo_gpu.json"))
     if d:
-        n = doc["numbers"]
         n["h2d_gbps"] = d.get("h2d_gbps")
-        disk = d.get("registration_disk") or {}
-        for mode in ("cold", "prefaulted"):
-            row = disk.get(mode) or {}
-            n[f"registration_{mode}_s_per_gib"] = (row.get("prefault_s_per_gib", 0) + row["register_s_per_gib"]
-                                                    if "register_s_per_gib" in row else None)
-            n[f"dirty_after_unregister_{mode}_mib"] = row.get("dirty_delta_mib")
         n["overlap_over_max"] = {k: o["over_max_compute_copy"] for k, o in (d.get("offload") or {}).items()}
         n["hook_memcpy_over_compute"] = d.get("hook_memcpy_over_compute")
+        n["offload_over_resident"] = {k: o["over_resident"] for k, o in (d.get("offload") or {}).items()}
         for k, v in (d.get("checks") or {}).items():
-            doc["checks"][f"dlo_gpu {k}"] = bool(v)
-    try:
-        with open(os.path.join(out_dir, "startup_cuda.json")) as f:
-            st = json.load(f)
-        doc["numbers"]["startup_registered_s"] = {str(r.get("checkpoint_bytes")): r.get("registered_s") for r in st["results"]}
-        doc["checks"]["startup parity"] = all(r.get("parity") for r in st["results"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    doc["ok"] = all(doc["checks"].values())
+            checks[f"dlo_gpu {k}"] = bool(v)
+    st = doc["startup"] = _load(os.path.join(scratch, "startup.json"))
+    if st:
+        try:
+            n["startup_s"] = {str(r.get("checkpoint_bytes")): {k: r.get(k) for k in ("ordinary_s", "warm_s",
+                                                                                      "registered_s")}
+                              for r in st["results"]}
+            checks["startup parity"] = all(r.get("parity") for r in st["results"])
+        except (KeyError, TypeError):
+            checks["startup results readable"] = False
+    doc["ok"] = all(checks.values())
     return doc
+
+
+def _probe_cell(r: dict) -> dict:
+    keys = ("code", "error", "register_s_per_gib", "h2d_gbps", "dirty_delta_over_registered", "writeback_s",
+            "resident_before")
+    return {k: r[k] for k in keys if k in r}
 
 
 def table(doc: dict) -> str:
@@ -155,11 +218,40 @@ def table(doc: dict) -> str:
     lines += [f"{s['name']:14}{str(s['rc']):>24}{s['seconds']:>8}" for s in doc["steps"]]
     lines.append("")
     for k, v in doc["numbers"].items():
-        lines.append(f"{k:40} {json.dumps(v)}")
+        lines.append(f"{k:28} {json.dumps(v)}")
+    for skip in (doc.get("pytest_cuda") or {}).get("skips", []):
+        lines.append(f"SKIPPED {skip['test']}: {skip['reason']}")
+    for bad in (doc.get("pytest_cuda") or {}).get("failed", []):
+        lines.append(f"FAILED  {bad['test']}: {bad['message'][:200]}")
     lines.append("")
     lines += [f"{'ok' if v else 'FAILED':7} {k}" for k, v in doc["checks"].items()]
     lines.append(f"overall: {'ok' if doc['ok'] else 'FAILED'}")
     return "\n".join(lines)
+
+
+def run(out_dir: str, python: str) -> int:
+    """Every step, then gpu.json and the table (also at the end of gpu.log)."""
+    os.makedirs(out_dir, exist_ok=True)
+    # On the repository's filesystem (a disk), not in OUT: OUT returns 2 files.
+    scratch = tempfile.mkdtemp(prefix=".gpu-scratch-", dir=REPO)
+    t0 = time.monotonic()
+    try:
+        with open(os.path.join(out_dir, "gpu.log"), "w") as log:
+            steps = []
+            for step in plan(scratch, python):
+                print(f"== {step.name} (<= {step.timeout_s} s)", flush=True)
+                steps.append(_run_step(step, log))
+                print(f"   rc {steps[-1]['rc']} in {steps[-1]['seconds']} s", flush=True)
+            doc = summarise(scratch, steps)
+            doc["seconds"] = round(time.monotonic() - t0, 1)
+            text = table(doc)
+            log.write("\n===== summary\n" + text + "\n")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    with open(os.path.join(out_dir, "gpu.json"), "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    print(text)
+    return 0 if doc["ok"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,17 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, REPO)
     if args.dry_run:
         return dry_run(args.out_dir, args.python)
-    os.makedirs(args.out_dir, exist_ok=True)
-    steps = []
-    for step in plan(args.out_dir, args.python):
-        print(f"== {step.name} (<= {step.timeout_s} s)", flush=True)
-        steps.append(_run_step(step, args.out_dir))
-        print(f"   rc {steps[-1]['rc']} in {steps[-1]['seconds']} s; log {steps[-1]['log']}", flush=True)
-    doc = summarise(args.out_dir, steps)
-    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    print(table(doc))
-    return 0 if doc["ok"] else 1
+    return run(args.out_dir, args.python)
 
 
 if __name__ == "__main__":

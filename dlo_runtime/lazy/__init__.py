@@ -19,9 +19,13 @@ The release policy (the README's "Lazy pipelines and host-weight plans"):
   (``config``, ``dtype``, ``device``, plain attributes the constructor set)
   are answered from a meta skeleton and load nothing;
 - every call, the first one included, releases a component at its
-  *declared* last use: a checked class declares the order in which a call
-  uses its components (:attr:`CheckedPipeline.use_order`; FLUX: CLIP, T5,
-  transformer, VAE; img2img: CLIP, T5, VAE, transformer, VAE), a use moves
+  *declared* last use: the pipeline class declares the order in which a
+  call uses its components in ``model_cpu_offload_seq``, the string
+  diffusers' own ``enable_model_cpu_offload`` chains its hooks by
+  (:func:`use_order_of`, :attr:`CheckedPipeline.use_order`; FLUX: CLIP, T5,
+  transformer, VAE; SD3: CLIP, CLIP, T5, transformer, VAE; FLUX img2img,
+  declared here because the string names its VAE once: CLIP, T5, VAE,
+  transformer, VAE), a use moves
   the call to the next stage naming that component, and entering a stage
   releases every component whose last stage lies before it; so the first
   call (often the only one a short-lived worker serves) holds the largest
@@ -38,21 +42,28 @@ The release policy (the README's "Lazy pipelines and host-weight plans"):
   logged and added to it as a note);
 - a component whose tensors changed after load (bytes or data pointers,
   checked with :func:`dlo_runtime.restore.snapshot` at release: pointers for
-  the lease's read-only views, xxh3 of private bytes) or that had an
+  the lease's read-only views, xxh3 of private bytes), whose other state
+  changed (:mod:`dlo_runtime.lazy.state`: ``vae.enable_tiling()``, a
+  swapped attention processor, fused projections), or that had an
   attribute set through its proxy is *refused for deferral*: it stays
   resident from then on, so it never comes back different, and the report
   says why.
 
-Deferral is opt-in per pipeline class (:data:`CHECKED_PIPELINES`): only the
-listed components of a checked class defer; an unchecked class loads every
-component with its own ``from_pretrained`` and the report says so (the
-seed's lesson: a stage that mutates a component or reads an attribute that
-materializes it makes release unsafe or useless, so each class is checked
-first).
+Which components defer (:func:`dlo_runtime.lazy.policy.plan_components`):
+by default every component the class's use order names that the folder
+holds, less ``_exclude_from_cpu_offload`` and the components the caller
+passes; a class that declares no order loads every component with its own
+``from_pretrained`` and the report says so. An explicit ``components=``
+that cannot be honoured (not a component of the class, absent from the
+folder, passed too, excluded from offload, not a torch module, no order,
+a skeleton that would load differently from the library) raises, naming
+the component and why. Each decision is logged at INFO and reported.
 """
 
-from dlo_runtime.lazy.pipeline import LazyPipeline, lazy_pipeline
-from dlo_runtime.lazy.policy import CHECKED_PIPELINES, CheckedPipeline, ComponentReport
+from dlo_runtime.lazy.build import lazy_pipeline
+from dlo_runtime.lazy.pipeline import LazyPipeline
+from dlo_runtime.lazy.policy import DECLARED_USE_ORDERS, CheckedPipeline, ComponentReport, use_order_of
 from dlo_runtime.lazy.proxy import LazyComponent
 
-__all__ = ["CHECKED_PIPELINES", "CheckedPipeline", "ComponentReport", "LazyComponent", "LazyPipeline", "lazy_pipeline"]
+__all__ = ["DECLARED_USE_ORDERS", "CheckedPipeline", "ComponentReport", "LazyComponent", "LazyPipeline",
+           "lazy_pipeline", "use_order_of"]

@@ -1,24 +1,24 @@
-"""The lazy pipeline: :func:`lazy_pipeline` builds the library's own
-pipeline with :class:`~dlo_runtime.lazy.proxy.LazyComponent` proxies in
-place of the deferred components, and :class:`LazyPipeline` loads, counts
-and releases them at the call boundary (policy: the :mod:`dlo_runtime.lazy`
-doc)."""
+"""The lazy pipeline at run time: :class:`LazyPipeline` loads, counts,
+checks and releases the :class:`~dlo_runtime.lazy.proxy.LazyComponent`
+proxies that :func:`dlo_runtime.lazy.build.lazy_pipeline` put in place of
+the deferred components, at the call boundary (policy: the
+:mod:`dlo_runtime.lazy` doc)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from dlo_runtime.lazy.policy import CHECKED_PIPELINES, DEFAULT_COMPONENTS, CheckedPipeline, ComponentReport
+from dlo_runtime.lazy.policy import CheckedPipeline, ComponentReport
 from dlo_runtime.lazy.proxy import LazyComponent
-from dlo_runtime.placement import OffloadDecision, host_offload
-from hwr_client.core.errors import FailedPrecondition, InvalidArgument
+from dlo_runtime.lazy.state import changes, fingerprint
+from dlo_runtime.placement import OffloadDecision
+from hwr_client.core.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,28 @@ def _tensor_bytes(model: nn.Module) -> int:
             seen.add(ptr)
             total += t.untyped_storage().nbytes()
     return total
+
+
+def _teardown(real: nn.Module, loaded: Any) -> None:
+    """Closes a loaded component, then points its tensors at meta.
+
+    1. ``loaded.close()``: with DLO (``device=``) the backend drains, removes
+       its hooks and points every streamed parameter back at its host view
+       through the Parameter objects it recorded, then closes the lease.
+       Meta first would replace those Parameters, and the backend's restore
+       would then write a host tensor into a meta one (``set_data`` refuses:
+       incompatible tensor type).
+    2. Meta, even when the close failed: a stray reference to the module (a
+       generator frame, a context manager still open) then fails loudly
+       instead of reading the closed lease. Nothing reads in between, and
+       the views keep their mapping alive until they are dropped here.
+    """
+    from dlo_runtime.transaction import discard_model
+
+    try:
+        loaded.close()
+    finally:
+        discard_model(real)
 
 
 class LazyPipeline:
@@ -91,16 +113,13 @@ class LazyPipeline:
                 real.to(self.decision.device)  # resident on the device (unified memory: the same pool)
             for method, args, kw in proxy._lazy_pending:
                 getattr(real, method)(*args, **kw)
-            from dlo_runtime.restore import snapshot
-
             regions = loaded.lease.regions() if loaded.lease is not None else ()
-            # Taken now, proven at release: a reload must not come back different.
-            snap = snapshot(real, regions)
         except BaseException:
             loaded.close()
             raise
         d = object.__getattribute__(proxy, "__dict__")
-        d.update(_lazy_real=real, _lazy_loaded=loaded, _lazy_snapshot=snap, _lazy_regions=regions)
+        d.update(_lazy_real=real, _lazy_loaded=loaded, _lazy_regions=regions)
+        self._take_state(proxy)
         self._held[name] = loaded
         how = self._released_in_call.pop(name, None) if self._in_call else None
         if how is not None:
@@ -121,8 +140,44 @@ class LazyPipeline:
         host = getattr(loaded.report, "host_plan", None)
         rep.plan = f"{loaded.outcome.value}{f' / host plan {host}' if host else ''} ({placement})"
         rep.resident_bytes = _tensor_bytes(real)
+        rep.streamed_blocks = len(loaded.report.blocks) if loaded.backend is not None else 0
         self._mark(f"load {name}")
         return real
+
+    def _take_state(self, proxy: LazyComponent) -> None:
+        """Snapshots the loaded component (tensors, then the rest of its
+        state): taken after load, proven at release, since a reload must not
+        come back different. Taken again after a ``to()``/``eval()``... the
+        proxy records, because every reload replays those."""
+        from dlo_runtime.restore import snapshot
+
+        real = proxy._lazy_real
+        d = object.__getattribute__(proxy, "__dict__")
+        d.update(_lazy_snapshot=snapshot(real, proxy._lazy_regions), _lazy_state=fingerprint(real))
+
+    def _apply_recorded(self, proxy: LazyComponent, method: str, args: Any, kwargs: Any) -> None:
+        """Applies a recorded ``to()``/``eval()``... to the loaded component.
+        Every reload replays it, so the state after it is the one a release
+        must prove; what changed before it is judged first."""
+        changed = self._changed(proxy) if self.reports[proxy._lazy_name].deferred else ""
+        if changed:
+            self._refuse(proxy, changed)
+        getattr(proxy._lazy_real, method)(*args, **kwargs)
+        self._take_state(proxy)
+
+    def _changed(self, proxy: LazyComponent) -> str:
+        """What changed in the loaded component since :meth:`_take_state`
+        ("" when nothing did)."""
+        from dlo_runtime.restore import compare_snapshots, snapshot
+
+        real = proxy._lazy_real
+        tensors = compare_snapshots(proxy._lazy_snapshot, snapshot(real, proxy._lazy_regions))
+        if tensors:
+            return f"its tensors changed after load ({tensors[:3]})"
+        state = changes(proxy._lazy_state, fingerprint(real))
+        if state:
+            return f"its state changed after load, which a reload would drop ({state[:3]})"
+        return ""
 
     def _mark(self, what: str) -> None:
         total = sum(self.reports[n].resident_bytes for n in self._held)
@@ -147,29 +202,21 @@ class LazyPipeline:
             return False
         rep = self.reports[name]
         if rep.deferred:
-            from dlo_runtime.restore import compare_snapshots, snapshot
-
-            changed = compare_snapshots(proxy._lazy_snapshot, snapshot(proxy._lazy_real, proxy._lazy_regions))
+            changed = self._changed(proxy)
             if changed:
-                self._refuse(proxy, f"its tensors changed after load ({changed[:3]})")
+                self._refuse(proxy, changed)
         if not rep.deferred:
             return False
-        from dlo_runtime.transaction import discard_model
-
         d = object.__getattribute__(proxy, "__dict__")
         real = d["_lazy_real"]
-        d.update(_lazy_real=None, _lazy_loaded=None, _lazy_snapshot=None, _lazy_regions=())
+        d.update(_lazy_real=None, _lazy_loaded=None, _lazy_snapshot=None, _lazy_state=None, _lazy_regions=())
         del self._held[name]
         if how and self._in_call:
             self._released_in_call[name] = how
         try:
-            # Meta first: a stray reference (a generator frame, a context
-            # manager still open) then fails loudly instead of reading an
-            # unmapped lease.
-            discard_model(real)
-            del real
-            loaded.close()
+            _teardown(real, loaded)
         finally:
+            del real
             self._mark(f"release {name}")
         return True
 
@@ -182,7 +229,7 @@ class LazyPipeline:
             counted = method is None or not method.__name__.startswith("_")
             if counted:
                 self._before_use(proxy)
-            fn = method if method is not None else proxy._lazy_materialize()
+            fn: Any = method if method is not None else proxy._lazy_materialize()
             if proxy._lazy_real is None:
                 fn = getattr(proxy._lazy_materialize(), fn.__name__)  # released since the read: reload
             out = fn(*args, **kwargs)
@@ -278,8 +325,12 @@ class LazyPipeline:
     @property
     def report(self) -> dict[str, Any]:
         """Per component (plan and why, load seconds, bytes materialized,
-        resident bytes), the placement decision, the calls and the notes."""
+        resident bytes), the use order and where it came from, the placement
+        decision, the completed calls and the notes."""
+        order = self.checked
         return {"pipeline": self.pipeline_name, "calls": self.calls,
+                "use_order": list(order.use_order) if order else None,
+                "use_order_source": order.source if order else "",
                 "placement": dataclasses.asdict(self.decision), "notes": list(self.notes),
                 "peak_component_bytes": self.peak_component_bytes,
                 "components": {n: dataclasses.asdict(r) for n, r in self.reports.items()}}
@@ -294,10 +345,7 @@ class LazyPipeline:
             proxy = self.components[name]
             d = object.__getattribute__(proxy, "__dict__")
             real, d["_lazy_real"], d["_lazy_loaded"] = d["_lazy_real"], None, None
-            from dlo_runtime.transaction import discard_model
-
-            discard_model(real)
-            loaded.close()
+            _teardown(real, loaded)
         self.pipe = None
 
     def __enter__(self) -> "LazyPipeline":
@@ -307,126 +355,4 @@ class LazyPipeline:
         self.close()
 
 
-def _lazy_class(cls: type, owner: LazyPipeline) -> type:
-    """The pipeline class with a call boundary: same name, a subclass, so
-    ``isinstance(pipe, cls)`` and diffusers' own bookkeeping hold."""
-    call = cls.__call__
-
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return owner._call(call, self, *args, **kwargs)
-
-    def _execution_device(self: Any) -> torch.device:
-        # diffusers' own walks every component's modules() to look for group
-        # offload hooks, which would load them all; a lazy pipeline has none.
-        return owner._device_of()
-
-    return type(cls.__name__, (cls,), {"__call__": __call__, "_execution_device": property(_execution_device),
-                                       "__module__": cls.__module__, "__doc__": cls.__doc__})
-
-
-def _shell(pipe_dir: str, name: str, dtype: str) -> tuple[type, nn.Module]:
-    """The component's class and meta skeleton (config, dtypes, structure;
-    no weight read)."""
-    from dlo_runtime.pretrained import PretrainedContract, model_files, resolve_class
-
-    files = model_files(pipe_dir, name)
-    cls = resolve_class(files)
-    return cls, PretrainedContract(files, cls, dtype=dtype).build_skeleton()
-
-
-def lazy_pipeline(
-    pipe_dir: str | os.PathLike[str],
-    *,
-    pipeline_class: Any = None,
-    components: Sequence[str] = DEFAULT_COMPONENTS,
-    mode: str = "preferred",
-    dtype: str = "bfloat16",
-    device: str | torch.device | None = None,
-    offload: bool | None = None,
-    socket: str | None = None,
-    host_plan: str | None = None,
-    **pipeline_kwargs: Any,
-) -> LazyPipeline:
-    """A diffusers pipeline whose listed components load on first use
-    through :func:`dlo_runtime.from_pretrained` and release after their last
-    use in a call (policy: the module doc).
-
-    Args:
-        pipe_dir: a pipeline directory (``model_index.json``).
-        pipeline_class: default: the class ``model_index.json`` names.
-        components: the components that may defer; only those the class is
-            checked for (:data:`CHECKED_PIPELINES`) do.
-        mode, dtype, socket: as for :func:`from_pretrained`.
-        device: compute device; None: resident on the CPU.
-        offload: DLO host offload (None: auto, see
-            :func:`dlo_runtime.placement.host_offload`; unified memory turns
-            it off).
-        host_plan: passed to :func:`from_pretrained` when given.
-        **pipeline_kwargs: to the pipeline class's own ``from_pretrained``
-            (``text_encoder=None``...).
-
-    Returns:
-        The :class:`LazyPipeline`; close it (or use ``with``).
-
-    Raises:
-        NotFound, InvalidArgument: no pipeline there, an unknown component.
-    """
-    import json
-
-    pipe_dir = os.fspath(pipe_dir)
-    index_path = os.path.join(pipe_dir, "model_index.json")
-    if not os.path.isfile(index_path):
-        from hwr_client.core.errors import NotFound
-
-        raise NotFound(f"pipeline directory {pipe_dir}: no model_index.json; expected a diffusers pipeline")
-    with open(index_path) as f:
-        index = json.load(f)
-    import diffusers
-
-    if pipeline_class is None:
-        pipeline_class = getattr(diffusers, str(index.get("_class_name")), None)
-        if pipeline_class is None:
-            raise InvalidArgument(f"{index_path}: class {index.get('_class_name')!r} is not in diffusers "
-                                  f"{diffusers.__version__}; pass pipeline_class=")
-    unknown = [c for c in components if c not in index]
-    if unknown:
-        raise InvalidArgument(f"lazy_pipeline {pipe_dir}: components {unknown} are not in {index_path}; "
-                              f"expected some of {sorted(k for k in index if not k.startswith('_'))}")
-    decision = host_offload(device, offload)
-    lazy = LazyPipeline(pipe_dir, mode=mode, dtype=dtype, decision=decision, socket=socket, host_plan=host_plan)
-    entry = CHECKED_PIPELINES.get(pipeline_class.__name__) \
-        if pipeline_class.__module__.startswith("diffusers.") else None
-    checked = entry.components if entry is not None else ()
-    lazy.checked = entry
-    target = getattr(torch, dtype)
-    passed = dict(pipeline_kwargs)
-    for name in components:
-        if name in passed:
-            lazy.reports[name] = ComponentReport(name, False, "passed by the caller (pipeline_kwargs)")
-        elif name not in checked:
-            why = (f"{pipeline_class.__name__} is not a checked pipeline class (checked: {sorted(CHECKED_PIPELINES)})"
-                   if not checked else f"{name} is not checked for {pipeline_class.__name__} (checked: {checked})")
-            lazy.reports[name] = ComponentReport(name, False, f"loads normally: {why}")
-        else:
-            cls, shell = _shell(pipe_dir, name, dtype)
-            proxy = LazyComponent(lazy, name, cls, shell)
-            lazy.components[name] = proxy
-            last = lazy._declared(name)
-            lazy.reports[name] = ComponentReport(
-                name, True, f"{pipeline_class.__name__} is checked for {name}",
-                release=f"on leaving its declared last stage ({last} of {list(entry.use_order)})"
-                if entry and last is not None else "at the end of the first call, then after its counted last use")
-            passed[name] = proxy
-    if not checked:
-        lazy.notes.append(f"{pipeline_class.__name__}: not a checked pipeline class; every component loads "
-                          "normally (resident, the pipeline's own from_pretrained)")
-    if decision.unified_memory:
-        lazy.notes.append(decision.reason)
-    pipe = pipeline_class.from_pretrained(pipe_dir, dtype=target, local_files_only=True, **passed)
-    if lazy.components:
-        pipe.__class__ = _lazy_class(type(pipe), lazy)
-    lazy.pipe, lazy.pipeline_name = pipe, pipeline_class.__name__
-    return lazy
-
-
-__all__ = ["LazyPipeline", "lazy_pipeline"]
+__all__ = ["LazyPipeline"]

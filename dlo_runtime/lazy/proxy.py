@@ -28,6 +28,7 @@ class ProxyOwner(Protocol):
     def _release(self, proxy: "LazyComponent", how: str = "") -> bool: ...
     def _refuse(self, proxy: "LazyComponent", why: str) -> None: ...
     def _wrap_use(self, proxy: "LazyComponent", method: Any) -> Callable[..., Any]: ...
+    def _apply_recorded(self, proxy: "LazyComponent", method: str, args: Any, kwargs: Any) -> None: ...
     def _device_of(self) -> torch.device: ...
 
 
@@ -42,7 +43,7 @@ class LazyComponent:
     def __init__(self, owner: ProxyOwner, name: str, cls: type, shell: nn.Module):
         d = object.__getattribute__(self, "__dict__")
         d.update(_lazy_owner=owner, _lazy_name=name, _lazy_cls=cls, _lazy_shell=shell,
-                 _lazy_loaded=None, _lazy_real=None, _lazy_snapshot=None, _lazy_regions=(),
+                 _lazy_loaded=None, _lazy_real=None, _lazy_snapshot=None, _lazy_state=None, _lazy_regions=(),
                  _lazy_pending=[], _lazy_refused="")
         # diffusers records a component's (library, class) from __module__.
         d["__module__"] = cls.__module__
@@ -127,9 +128,8 @@ class LazyComponent:
         # must come back where the caller put it. Applied now when loaded.
         pending = [p for p in self._lazy_pending if p[0] != method] + [(method, args, kwargs)]
         object.__getattribute__(self, "__dict__")["_lazy_pending"] = pending
-        real = self._lazy_real
-        if real is not None:
-            getattr(real, method)(*args, **kwargs)
+        if self._lazy_real is not None:
+            self._lazy_owner._apply_recorded(self, method, args, kwargs)
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> "LazyComponent":

@@ -37,8 +37,20 @@ What the contract decides, and why:
   registration order (the parity tests prove it is the execution order for
   the shipped families).
 
+- **loading semantics**: the library's own, so a warm start equals the
+  library's ``from_pretrained``: the weight files ``variant=`` and
+  ``use_safetensors=`` pick (``.bin`` included), and one key plan
+  (renames, ``base_model_prefix``, ignore lists, tied names) that the
+  identity, the canonical load and hence publication all read. What HWR
+  cannot represent loads with the library in preferred mode, decided
+  before any daemon call.
+
 Modules: :mod:`~dlo_runtime.pretrained.files` (what a directory holds, the
-class it names), :mod:`~dlo_runtime.pretrained.skeleton` (meta parameters,
+class it names, the weight files), :mod:`~dlo_runtime.pretrained.weights`
+(safetensors and ``.bin`` behind one reader),
+:mod:`~dlo_runtime.pretrained.keys` (the key plan),
+:mod:`~dlo_runtime.pretrained.eligibility` (what falls back, and how the
+report says so), :mod:`~dlo_runtime.pretrained.skeleton` (meta parameters,
 real buffers, blocks), :mod:`~dlo_runtime.pretrained.contract` (the
 contract); this one holds the call.
 
@@ -60,12 +72,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from hwr_client.core.errors import FailedPrecondition, InvalidArgument
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hwr_client.resolve import Mode, Outcome, parse_mode
 
 from dlo_runtime.background import wait_for_key
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
+from dlo_runtime.pretrained.eligibility import (daemon_absent, decide, direct_map_refusal, no_daemon_message,
+                                                 unused_keys_note, warn_fallback)
 from dlo_runtime.pretrained.files import ModelFiles, import_library, model_files, resolve_class
 from dlo_runtime.pretrained.hostplan import HOST_PLANS, CheckpointMapping, HostWeightPlan, describe, preflight
 from dlo_runtime.pretrained.skeleton import (check_loaded, dtype_of, find_blocks, nparams, parameters_on_meta,
@@ -90,7 +104,9 @@ class PretrainedReport:
         blocks: names of the streamed blocks, in order; ``streamed_bytes``
             their bytes; ``streamed_fraction`` their share of the parameters.
         notes: anything worth a look (streamed blocks under half the model).
-        publish: the publish-after-load report on a preferred miss.
+        publish: the publish-after-load report on a preferred miss
+            (``{"state": "running", ...}`` while it runs in the background;
+            :meth:`LoadedModel.wait_published` waits for the final one).
         trail: the startup transaction's steps.
         host_plan: the host-weight plan taken: ``"checkpoint-mmap"``,
             ``"hwr"`` or ``"ordinary"``; ``host_plan_reason`` why
@@ -188,9 +204,24 @@ class LoadedModel:
 
 
 def _library_load(files: ModelFiles, cls: Any, dtype: torch.dtype) -> nn.Module:
-    """The library's own ``from_pretrained`` (what ``mode="disabled"`` is)."""
-    key = "torch_dtype" if files.library == "diffusers" else "dtype"
-    return cls.from_pretrained(files.directory, **{key: dtype}, local_files_only=True)
+    """The library's own ``from_pretrained`` (what ``mode="disabled"`` is),
+    with the ``variant=`` / ``use_safetensors=`` the caller gave."""
+    kwargs: dict[str, Any] = {"torch_dtype" if files.library == "diffusers" else "dtype": dtype}
+    if files.variant is not None:
+        kwargs["variant"] = files.variant
+    if files.use_safetensors is not None:
+        kwargs["use_safetensors"] = files.use_safetensors
+    return cls.from_pretrained(files.directory, **kwargs, local_files_only=True)
+
+
+def _step(what: str, note: str) -> str:
+    """A trail line. The transaction's ``published`` only means the model
+    was handed to the publisher (publication runs after the start), so
+    the report says ``publish_scheduled``; the publication's own result
+    follows as its own line."""
+    if what == "published":
+        what = "publish_scheduled"
+    return f"{what}: {note}" if note else what
 
 
 def _block_report(model: nn.Module, blocks: Sequence[nn.Module], report: PretrainedReport) -> None:
@@ -231,6 +262,8 @@ def from_pretrained(
     socket: str | None = None,
     progress: bool | Callable[[int, int], None] = True,
     host_plan: str = "hwr",
+    variant: str | None = None,
+    use_safetensors: bool | None = None,
 ) -> LoadedModel:
     """Loads a diffusers / transformers model through HWR (and DLO).
 
@@ -262,32 +295,63 @@ def from_pretrained(
             ``"auto"`` (checkpoint-mmap where preflight passes and ``mode``
             is not ``"required"``, else HWR in ``mode``). The report says
             which was taken and why.
+        variant: the weight variant (``"fp16"``: ``model.fp16.safetensors``),
+            as the library's ``variant=``.
+        use_safetensors: as the library's ``use_safetensors=`` (True:
+            safetensors only; False: ``.bin`` only; None: safetensors first).
+
+    A model HWR cannot represent (:mod:`~dlo_runtime.pretrained.eligibility`:
+    a custom loader, freshly initialized tensors, a byte-changing key
+    converter...) is decided before any daemon call: ``"preferred"`` loads
+    it with the library's own ``from_pretrained``, logs one WARNING and
+    reports ``DISABLED`` with the reason in ``notes``; ``"required"``
+    raises it. With no daemon listening on the socket, ``"preferred"``
+    loads with the library at once (``CANONICAL_FALLBACK``, one WARNING
+    "no HWR daemon at <socket>: is `hwr serve` running? loading without
+    HWR", the same note) and ``"required"`` raises Unavailable.
 
     Returns:
         The :class:`LoadedModel`; close it (or use ``with``).
 
     Raises:
         NotFound, InvalidArgument: a bad directory, class or argument.
-        FailedPrecondition: a checkpoint that does not fit the class, a
-            missing library (naming the extra), a required miss.
+        FailedPrecondition: a checkpoint that does not fit the class (a
+            shape mismatch, in every mode, as the library), an ineligible
+            model in required mode (naming why), a missing library (naming
+            the extra), a required miss.
+        Unavailable: required mode with no daemon listening.
         HwrError: a FAILED resolution.
     """
     t0 = time.perf_counter()
     mode = parse_mode(mode)
     if host_plan not in HOST_PLANS:
         raise InvalidArgument(f"host_plan={host_plan!r}: expected one of {list(HOST_PLANS)}")
-    files = model_files(os.fspath(model_dir), subfolder)
+    files = model_files(os.fspath(model_dir), subfolder, variant=variant, use_safetensors=use_safetensors)
     cls = resolve_class(files, model_class)
     target = dtype_of(dtype)
     seconds: dict[str, float] = {}
     refused: HostWeightPlan | None = None
-    if host_plan == "checkpoint-mmap" or (host_plan == "auto" and mode is not Mode.REQUIRED):
+    contract: PretrainedContract | None = None
+    notes: list[str] = []
+    if host_plan != "ordinary" and (mode is not Mode.DISABLED or host_plan in ("checkpoint-mmap", "auto")):
+        # Eligibility before any daemon call: headers and the meta skeleton only.
         contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
+        seconds["skeleton"] = round(time.perf_counter() - t0, 6)
+        reason = decide(contract, mode=mode, host_plan=host_plan)
+        if reason:
+            note = warn_fallback(contract.name, reason)
+            return _fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0, Outcome.DISABLED, note)
+        notes += unused_keys_note(contract.name, contract.keys)
+        seconds["keys"] = round(time.perf_counter() - t0 - seconds["skeleton"], 6)
+    if host_plan == "checkpoint-mmap" or (host_plan == "auto" and mode is not Mode.REQUIRED):
+        assert contract is not None
         skeleton = contract.build_skeleton()
-        plan = preflight(skeleton, files.weights, contract.blocks(skeleton),
-                         transforms=("fuse_qkv",) if fuse_qkv else ())
+        refusal = direct_map_refusal(files, contract.keys)
+        plan = (HostWeightPlan("refused", (refusal,), files.weights) if refusal else
+                preflight(skeleton, files.weights, contract.blocks(skeleton),
+                          transforms=("fuse_qkv",) if fuse_qkv else ()))
         if plan.accepted:
-            return _checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0)
+            return _checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0, socket=socket)
         if host_plan == "checkpoint-mmap":
             raise FailedPrecondition(f"{files.directory}: host_plan='checkpoint-mmap' refused by preflight: "
                                      f"{plan.reason}; use host_plan='auto' to fall back to HWR")
@@ -303,8 +367,7 @@ def from_pretrained(
 
     import hwr_client
 
-    contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
-    seconds["skeleton"] = round(time.perf_counter() - t0, 6)
+    assert contract is not None
     nblocks = contract.block_count()
     if device is None:
         # Resident: the backend keeps every block on the CPU and streams none,
@@ -312,9 +375,17 @@ def from_pretrained(
         options = OffloadOptions(device="cpu", resident_blocks=nblocks)
     else:
         options = OffloadOptions(device=device, resident_blocks=resident_blocks)
-    if nblocks == 0:
-        raise InvalidArgument(f"{contract.name}: no blocks found to stream; pass blocks=[...] module names")
     client = hwr_client.connect(socket)
+    if daemon_absent(client.socket):
+        # Before hashing a byte: an identity nobody can serve is pure cost.
+        client.close()
+        if mode is Mode.REQUIRED:
+            raise Unavailable(f"HWR required: no HWR daemon at {client.socket}: is `hwr serve` running? "
+                              "start it (the daemon needs no options) or use mode='preferred'")
+        note = no_daemon_message(client.socket)
+        log.warning("from_pretrained %s: %s", contract.name, note)
+        return _fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0, Outcome.CANONICAL_FALLBACK,
+                         note)
     pending: list[bool] = []
     try:
         t = time.perf_counter()
@@ -336,8 +407,9 @@ def from_pretrained(
         raise
     model, backend = result.model, result.backend
     report = PretrainedReport(result.outcome.value, identity.key, contract.name, contract.library_version,
-                              trail=[f"{s.what}: {s.note}" if s.note else s.what for s in result.trail])
+                              trail=[_step(s.what, s.note) for s in result.trail])
     report.host_plan_reason = describe(refused, "hwr")
+    report.notes += notes
     report.producer_calls = contract.counters.producer_calls
     report.checkpoint_bytes_read = contract.counters.checkpoint_bytes_read
     report.bytes_materialized = contract.counters.bytes_materialized
@@ -375,6 +447,8 @@ def _publish_in_background(model: nn.Module, contract: PretrainedContract, ident
     def done(result: dict[str, Any]) -> None:
         report.publish = result
         report.seconds["publish"] = result["seconds"]
+        # After `publish_scheduled` (_step): what became of it, never "published" before it is.
+        report.trail.append(result["state"] if result["ok"] else f"publish_failed: {result['error']}")
 
     report.publish = {"state": RUNNING, "ok": False, "key": identity.key}
     return BackgroundPublication(socket, identity, tensors, blocks=publish_groups(model, contract.blocks(model)),
@@ -382,7 +456,7 @@ def _publish_in_background(model: nn.Module, contract: PretrainedContract, ident
 
 
 def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: HostWeightPlan, device: Any,
-                     resident_blocks: int, t0: float) -> LoadedModel:
+                     resident_blocks: int, t0: float, *, socket: str | None = None) -> LoadedModel:
     """An accepted plan: runtime tensors are read-only views of the
     checkpoint's mapping; DLO streams each block's span (or, with no
     device, every block stays resident on those views). Nothing published."""
@@ -391,7 +465,11 @@ def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: Ho
     from dlo_runtime.restore import finalize_shared
 
     mapping = CheckpointMapping(plan)
+    # On a CUDA device the blocks' pages may be registered: under the node
+    # daemon's admission when one answers (nothing else is asked of it).
+    client = _admission_client(socket) if device is not None and torch.device(device).type == "cuda" else None
     try:
+        mapping.session = client.session() if client is not None else None
         mapping.bind(skeleton)
         check_loaded(skeleton, contract.name)
         # eval / no grad must be byte- and pointer-neutral on the views (read-only: pointers prove it).
@@ -406,11 +484,38 @@ def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: Ho
         backend = OffloadBackend(skeleton, found, options, source=mapping).start()
     except BaseException:
         mapping.close()
+        if client is not None:
+            client.close()
         raise
     if device is not None:
         _block_report(skeleton, found[options.resident_blocks:], report)
     report.seconds = {"total": round(time.perf_counter() - t0, 6)}
-    return LoadedModel(skeleton, report, backend=backend, contract=contract)
+    return LoadedModel(skeleton, report, backend=backend, client=client, contract=contract)
+
+
+def _admission_client(socket: str | None) -> Any:
+    """A daemon client for registration admission, or None when no daemon
+    listens (the registration then proceeds unaccounted, as for any
+    source without a session)."""
+    import hwr_client
+
+    client = hwr_client.connect(socket)
+    if daemon_absent(client.socket):
+        client.close()
+        return None
+    return client
+
+
+def _fallback(files: ModelFiles, cls: Any, dtype: torch.dtype, device: Any, blocks: Any, resident_blocks: int,
+              fuse_qkv: bool, t0: float, outcome: Outcome, note: str) -> LoadedModel:
+    """A start HWR does not serve, loaded with the library's own load; the
+    report says so (``outcome``, the note first in ``notes``)."""
+    loaded = _disabled(files, cls, dtype, device, blocks, resident_blocks, fuse_qkv, t0)
+    report = loaded.report
+    report.outcome = outcome.value
+    report.notes.insert(0, note)
+    report.host_plan, report.host_plan_reason = "ordinary", f"ordinary: {note}"
+    return loaded
 
 
 def _disabled(files: ModelFiles, cls: Any, dtype: torch.dtype, device: Any, blocks: Any, resident_blocks: int,

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -11,11 +10,13 @@ from torch import nn
 
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 
-from dlo_runtime.checkpoint import CheckpointReader
 from dlo_runtime.contracts import Contract
+from dlo_runtime.pretrained.eligibility import class_reasons
 from dlo_runtime.pretrained.files import ModelFiles, hwr_version, import_library
+from dlo_runtime.pretrained.keys import KeyPlan, plan_keys
 from dlo_runtime.pretrained.skeleton import (check_loaded, default_dtype, dtype_of, find_blocks,
                                               parameters_on_meta, rebind)
+from dlo_runtime.pretrained.weights import open_weights
 from dlo_runtime.restore import tensor_slots
 
 class PretrainedContract(Contract):
@@ -50,6 +51,7 @@ class PretrainedContract(Contract):
             raise InvalidArgument(f"fuse_qkv=True: {self.name} has no fuse_qkv_projections(); "
                                   "expected a diffusers model that supports QKV fusion")
         self._spare: nn.Module | None = None
+        self._keys: KeyPlan | None = None
         self._fp32_patterns: tuple[str, ...] = ()
         # Built now: the fp32 policy (part of the identity) is read off the
         # instance, as both libraries read it; the first start reuses it.
@@ -66,12 +68,46 @@ class PretrainedContract(Contract):
     def extra(self) -> dict[str, Any]:
         """``fuse_qkv`` changes bytes; explicit ``blocks`` change the
         artifact's block layout (what the backend streams as one range), so
-        both are part of the key. ``"auto"`` adds nothing."""
+        both are part of the key. ``"auto"`` adds nothing. A checkpoint
+        whose keys are renamed on load adds the renames' digest
+        (:meth:`KeyPlan.digest`); one loaded name for name adds nothing,
+        so its key is what it was before key mapping existed."""
         out: dict[str, Any] = {"fuse_qkv": True} if self.fuse_qkv else {}
         if self.block_names != "auto":
             names = [self.block_names] if isinstance(self.block_names, str) else list(self.block_names)
             out["blocks"] = names
+        if self.keys.digest():
+            out["key_map"] = self.keys.digest()
         return out
+
+    # -- key mapping and eligibility ------------------------------------------------
+
+    @property
+    def keys(self) -> KeyPlan:
+        """The canonical key mapping (:mod:`dlo_runtime.pretrained.keys`),
+        planned once on the unfused skeleton from the headers."""
+        if self._keys is None:
+            unfused = self._spare if self._spare is not None and not self.fuse_qkv else self._build(fused=False)
+            self._keys = plan_keys(unfused, self.files, self.name)
+        return self._keys
+
+    def ineligible(self) -> list[str]:
+        """Why HWR does not load this model (empty: it does); the start
+        then loads with the library (:mod:`dlo_runtime.pretrained.eligibility`).
+        Reads headers only; no daemon call."""
+        reasons = class_reasons(self.files, self.model_class)
+        return reasons if reasons else list(self.keys.ineligible)
+
+    def check_keys(self) -> None:
+        """Raises what the library would refuse too (a shape mismatch).
+
+        Raises:
+            FailedPrecondition: naming the file, the key and both shapes.
+        """
+        errors = self.keys.errors
+        if errors:
+            raise FailedPrecondition(f"checkpoint {self.files.directory}: {len(errors)} problem(s) loading "
+                                     f"{self.name}: " + "; ".join(errors[:8]))
 
     # -- skeleton -----------------------------------------------------------------
 
@@ -83,6 +119,16 @@ class PretrainedContract(Contract):
                 model = cls.from_config(config)
             else:
                 config = cls.config_class.from_pretrained(self.files.directory, local_files_only=True)
+                # As transformers' from_pretrained does before it builds the
+                # model: the requested dtype on the config and on every
+                # sub-config, so a nested `_from_config` (CLIPTextModelWith-
+                # Projection's text model) builds in it, not in the dtype the
+                # checkpoint was saved in.
+                config.dtype = self.dtype
+                for sub_key in getattr(config, "sub_configs", {}) or {}:
+                    sub = getattr(config, sub_key, None)
+                    if sub is not None:
+                        sub.dtype = self.dtype
                 model = cls(config)
         if self.library == "transformers" and hasattr(model, "tie_weights"):
             model.tie_weights()  # as the ordinary load ties them: one tensor, two names
@@ -156,64 +202,48 @@ class PretrainedContract(Contract):
         raise NotImplementedError("PretrainedContract loads through canonical_load")
 
     def canonical_load(self, model: nn.Module, checkpoint_dir: str = "", *, mmap: bool = True) -> nn.Module:
-        """Loads the checkpoint into the skeleton ``model`` (unfused) and, with
-        ``fuse_qkv``, fuses it with the library's own code.
+        """Loads the checkpoint into the skeleton ``model`` (unfused) by the
+        key plan and, with ``fuse_qkv``, fuses it with the library's own code.
 
-        Every name, shape and dtype is checked against the shard headers
-        before a byte is read; each checkpoint tensor is cast and released
-        as soon as it is bound.
+        Every key, shape and dtype was planned from the headers before a
+        byte is read; each checkpoint tensor is cast and released as soon
+        as it is bound; keys the plan drops are never read.
 
         Returns:
             The loaded model (a fresh unfused skeleton is loaded and then
             fused when ``model`` is a fused skeleton).
 
         Raises:
-            FailedPrecondition: a missing or unexpected key, a shape
-                mismatch (naming the shard and the key), or a tensor left on
-                meta.
+            FailedPrecondition: an ineligible checkpoint (naming why: e.g. a
+                tensor the checkpoint lacks), a shape mismatch (naming the
+                file and the key), or a tensor left on meta.
         """
+        reasons = self.ineligible()
+        if reasons:
+            raise FailedPrecondition(f"checkpoint {self.files.directory}: {self.name} cannot load through HWR: "
+                                     + "; ".join(reasons))
+        self.check_keys()
         self.counters.producer_calls += 1
         if self.fuse_qkv:
             model = self._build(fused=False)
-        walk = tensor_slots(model)
-        slots = {s.name: s for s in walk.slots}
-        # Tied aliases (lm_head.weight = embed_tokens.weight): a checkpoint
-        # may carry them; the library ignores them, and so does this load.
-        aliases = set(model.state_dict(keep_vars=True)) - set(slots)
-        reader = CheckpointReader(list(self.files.weights), mmap=mmap)
-        with reader:
-            where = dict(reader._where)
-            problems = []
-            for name, s in slots.items():
-                found = where.get(name)
-                if found is None:
-                    problems.append(f"missing key {name!r} (expected {list(s.tensor.shape)})")
-                elif tuple(found[1].shape) != tuple(s.tensor.shape):
-                    problems.append(f"{os.path.basename(self.files.weights[found[0]])}: {name!r} has shape "
-                                    f"{list(found[1].shape)}, {self.name} expects {list(s.tensor.shape)}")
-            unexpected = sorted(n for n in where if n not in slots and n not in aliases)
-            problems += [f"{os.path.basename(self.files.weights[where[n][0]])}: unexpected key {n!r} "
-                         f"(not a parameter or persistent buffer of {self.name})" for n in unexpected[:5]]
-            if problems:
-                raise FailedPrecondition(
-                    f"checkpoint {self.files.directory}: {len(problems)} problem(s) loading {self.name}: "
-                    + "; ".join(problems[:8]))
-            replaced: dict[int, torch.Tensor] = {}
-            with torch.no_grad():
-                for name in reader.file_order():
-                    if name not in slots:
-                        reader.take(name)  # an ignored tied alias: read nothing into the model
-                        continue
-                    s = slots[name]
-                    src = reader.take(name)
-                    value = src.to(s.tensor.dtype)
-                    if value.data_ptr() == src.data_ptr():
-                        value = value.clone()  # a same-dtype cast aliases the checkpoint mapping
-                    del src  # released before the next tensor is read
-                    replaced[id(s.tensor)] = (nn.Parameter(value, requires_grad=s.tensor.requires_grad)
-                                              if s.is_parameter else value)
-                    self.counters.bytes_materialized += value.nbytes
-                    del value
+        slots = {s.name: s for s in tensor_slots(model).slots}
+        # checkpoint key -> the slot it fills (each slot from one key; tied names are one slot).
+        fills = {key: slots[name] for name, key in self.keys.sources.items()}
+        replaced: dict[int, torch.Tensor] = {}
+        with open_weights(self.files.weights, self.files.format, mmap=mmap) as reader, torch.no_grad():
+            for key in reader.file_order():
+                s = fills.get(key)
+                if s is None:
+                    continue  # dropped by the plan (unused, ignored, a tied duplicate): not read
+                src = reader.take(key)
+                value = src.to(s.tensor.dtype)
+                if value.data_ptr() == src.data_ptr():
+                    value = value.clone()  # a same-dtype cast aliases the checkpoint mapping
+                del src  # released before the next tensor is read
+                replaced[id(s.tensor)] = (nn.Parameter(value, requires_grad=s.tensor.requires_grad)
+                                          if s.is_parameter else value)
+                self.counters.bytes_materialized += value.nbytes
+                del value
             self.counters.checkpoint_bytes_read += reader.bytes_read
         rebind(model, replaced)
         if self.fuse_qkv:

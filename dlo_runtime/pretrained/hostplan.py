@@ -41,10 +41,11 @@ import torch
 from torch import nn
 
 from hwr_client.core.errors import FailedPrecondition
-from hwr_client.mapping import Region, _readonly_frombuffer
+from hwr_client.mapping import MappedFileGuard, Region, _readonly_frombuffer
 from hwr_client.tensors import TORCH_DTYPES, SafetensorsFile
 
 from dlo_runtime.checkpoint import CheckpointReader
+from dlo_runtime.pin_plan import Extent, PinRegion, file_key, page_ceil, page_floor
 from dlo_runtime.restore import tensor_slots
 
 #: ``from_pretrained(host_plan=...)`` values.
@@ -287,6 +288,7 @@ class CheckpointMapping:
             raise FailedPrecondition(f"checkpoint mapping: the plan was refused ({plan.reason})")
         self.plan = plan
         self._files = [SafetensorsFile(p, mmap=True, writable=False) for p in plan.files]
+        self.check_unchanged = MappedFileGuard.open(plan.files).check  # DataLoss once a mapped file changes in place
         # The reader's read-only mapping (PROT_READ: a write faults), whole.
         self._raw = [_readonly_frombuffer(f._mm) if f._mm is not None else torch.empty(0, dtype=torch.uint8)
                      for f in self._files]
@@ -316,6 +318,9 @@ class CheckpointMapping:
             self.blocks.append(b)
         self.manifest = _Manifest(list(entries.values()))
         self.key = ""
+        #: The daemon session registrations are admitted under (set by the
+        #: loader when a daemon answers; None: not admission-controlled).
+        self.session = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Runtime name -> read-only view of its checkpoint bytes."""
@@ -333,6 +338,32 @@ class CheckpointMapping:
         for index, r in self._stitched.items():
             pieces = next(b.pieces for b in self.blocks if b.index == index)
             out.append(Region("+".join(self.plan.files[f] for f, _, _ in pieces), int(r.data_ptr()), int(r.numel())))
+        return out
+
+    def registration_regions(self) -> list[PinRegion]:
+        """What to register: the blocks' spans, page-rounded, merged per
+        file, and each stitched block's range, with the file pages each
+        maps (the daemon counts a page a stitched range maps again once).
+        Not the whole files: non-block tensors move to the device once."""
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for b in self.blocks:
+            if not b.pieces:
+                spans.setdefault(b.file, []).append((page_floor(b.begin), page_ceil(b.end)))
+        out = []
+        for f, ranges in sorted(spans.items()):
+            merged: list[tuple[int, int]] = []
+            for lo, hi in sorted(ranges):
+                if merged and lo <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+                else:
+                    merged.append((lo, hi))
+            path, base = self.plan.files[f], int(self._raw[f].data_ptr())
+            out += [PinRegion(path, base + lo, hi - lo, (Extent(file_key(path), lo, hi - lo),)) for lo, hi in merged]
+        for index, r in self._stitched.items():
+            pieces = next(b.pieces for b in self.blocks if b.index == index)
+            extents = tuple(Extent(file_key(self.plan.files[f]), *_piece_pages(lo, hi)) for f, lo, hi in pieces)
+            out.append(PinRegion("+".join(self.plan.files[f] for f, _, _ in pieces), int(r.data_ptr()),
+                                 int(r.numel()), extents))
         return out
 
     def bind(self, skeleton: nn.Module) -> None:

@@ -2,7 +2,8 @@
 
 Each group of subcommands lives in its own module with a ``register(sub)``
 function: ``serve`` (hwr_client.cli.serve, the flags of hwr_server.cli), ``store`` (import/ls/inspect/verify/rm/
-stats), ``leases``, ``sources``, ``gc``, ``demo`` (demo/prewarm). Errors from
+stats), ``leases``, ``sources``, ``gc``, ``remote`` (push/pull), ``keys`` (signing keys), ``demo``
+(demo/prewarm). Errors from
 the daemon are printed as one line and mapped to an exit code; ``--verbose``
 shows the traceback.
 """
@@ -24,6 +25,7 @@ COMMAND_MODULES = (
     "hwr_client.cli.sources",
     "hwr_client.cli.gc",
     "hwr_client.cli.remote",
+    "hwr_client.cli.keys",
     "hwr_client.cli.demo",
 )
 
@@ -31,7 +33,7 @@ COMMAND_MODULES = (
 #: 3 = not found; 4 = precondition/conflict; 5 = daemon unreachable; 6 other.
 EXIT_CODES = {
     "InvalidArgument": 2, "NotFound": 3, "FailedPrecondition": 4, "Aborted": 4, "AlreadyExists": 4,
-    "ResourceExhausted": 4, "PermissionDenied": 4, "Unavailable": 5, "DataLoss": 1,
+    "ResourceExhausted": 4, "PermissionDenied": 4, "Unavailable": 5, "DataLoss": 1, "UntrustedPublisher": 4,
 }
 
 

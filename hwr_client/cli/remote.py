@@ -1,7 +1,8 @@
 """Registry commands: ``hwr push KEY REF`` and ``hwr pull REF`` (admin socket).
 
 The daemon does the transfer (it reads and commits its own store); the
-command prints its progress with MB/s on stderr and the outcome on stdout.
+command prints its progress with MB/s on stderr and the outcome on stdout,
+with the signature a push made or a pull verified (README "Trust").
 """
 
 from __future__ import annotations
@@ -38,13 +39,17 @@ def _report(args: argparse.Namespace, done: pb.TransferDone, verb: str) -> int:
         print_json({"key": done.key, "reference": done.reference, "manifest_digest": done.manifest_digest,
                     "bytes_transferred": done.bytes_transferred, "layers_transferred": done.layers_transferred,
                     "layers_skipped": done.layers_skipped, "seconds": round(done.seconds, 3),
-                    "mb_per_s": round(mbps, 1), "already_present": done.already_present})
+                    "mb_per_s": round(mbps, 1), "already_present": done.already_present,
+                    "signature_digest": done.signature_digest, "signer": done.signer})
     elif done.already_present:
         print(f"{done.key}: already in the store")
     else:
         print(f"{verb} {done.key[:16]} {done.reference}: {done.layers_transferred} layers "
               f"({done.layers_skipped} skipped), {done.bytes_transferred} bytes in {done.seconds:.2f} s "
               f"({mbps:.1f} MB/s)")
+        if done.signer:
+            what = f"signature {done.signature_digest} by" if done.signature_digest else "signature verified:"
+            print(f"{what} {done.signer}")
     return 0
 
 

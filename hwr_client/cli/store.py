@@ -22,7 +22,7 @@ from hwr_client.core.identity import Identity
 def _import(args: argparse.Namespace) -> int:
     try:
         with open(args.identity, "rb") as f:
-            identity = Identity.from_json(f.read())
+            identity = _identity_of(f.read(), args.identity)
     except OSError as exc:
         raise InvalidArgument(f"{args.identity}: cannot read the identity ({exc.strerror})") from None
     # torch only for this command: the CLI module stays light for `hwr serve`.
@@ -48,6 +48,19 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _identity_of(raw: bytes, path: str) -> Identity:
+    """The identity in ``raw``: an identity document, or an HWR manifest.json
+    (its ``identity``; the config blob of a pushed artifact, as ``oras
+    manifest fetch-config`` saves it)."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"{path}: not JSON ({exc})") from None
+    if isinstance(doc, dict) and doc.get("format") == "hwr-manifest" and isinstance(doc.get("identity"), dict):
+        return Identity.from_dict(doc["identity"])
+    return Identity.from_json(raw)
+
+
 def _ls(args: argparse.Namespace) -> int:
     with client_from(args) as client:
         reply = client.call(client.reader.ListArtifacts, pb.ListArtifactsRequest())
@@ -66,7 +79,9 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _summary_dict(a: pb.ArtifactSummary) -> dict[str, Any]:
-    return {f.name: getattr(a, f.name) for f in a.DESCRIPTOR.fields}
+    out = {f.name: getattr(a, f.name) for f in a.DESCRIPTOR.fields}
+    out["publisher"] = a.publisher.text  # who published it (README "Trust"), one line
+    return out
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -137,7 +152,8 @@ def _stats(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds import, ls, inspect, verify, rm and stats."""
     p = sub.add_parser("import", help="publish existing safetensors files as an artifact")
-    p.add_argument("--identity", required=True, metavar="ID.json", help="identity document (JSON file)")
+    p.add_argument("--identity", required=True, metavar="ID.json",
+                   help="identity document (JSON file), or an HWR manifest.json holding one")
     p.add_argument("--unordered", action="store_true", help="send chunks out of order (testing)")
     p.add_argument("files", nargs="+", metavar="FILE.safetensors")
     p.set_defaults(func=_import)

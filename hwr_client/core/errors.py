@@ -14,12 +14,20 @@ from __future__ import annotations
 import grpc
 
 
+#: Trailing metadata key of a failed call that names a subclass more
+#: precise than its status code (:attr:`HwrError.reason`).
+REASON_METADATA = "hwr-error-reason"
+
+
 class HwrError(Exception):
     """Base of every HWR error. ``code`` is the matching gRPC status code."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     #: Whether retrying the same call later may succeed.
     retryable: bool = False
+    #: Non-empty for a subclass the client must tell apart from others of
+    #: its status code; it travels as :data:`REASON_METADATA`.
+    reason: str = ""
 
 
 class InvalidArgument(HwrError):
@@ -45,6 +53,13 @@ class FailedPrecondition(HwrError):
     leased artifact."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class UntrustedPublisher(FailedPrecondition):
+    """The artifact was published by someone the caller does not trust
+    (README "Trust"): a miss in preferred mode, FAILED in required mode."""
+
+    reason = "untrusted-publisher"
 
 
 class Aborted(HwrError):
@@ -104,6 +119,9 @@ _BY_CODE: dict[grpc.StatusCode, type[HwrError]] = {
 }
 
 
+_BY_REASON: dict[str, type[HwrError]] = {cls.reason: cls for cls in (UntrustedPublisher,)}
+
+
 def status_code_of(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status code for ``exc``; INTERNAL for anything not ours."""
     if isinstance(exc, HwrError):
@@ -121,6 +139,11 @@ def from_rpc_error(err: grpc.RpcError) -> HwrError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     cls = _BY_CODE.get(code)
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for k, v in trailing or ():
+        narrower = _BY_REASON.get(v) if k == REASON_METADATA and isinstance(v, str) else None
+        if narrower is not None and cls is not None and issubclass(narrower, cls):
+            cls = narrower  # only ever narrower than the code: never a different kind of error
     if cls is None:
         cls = Unavailable if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED) else Internal
         details = f"{code.name}: {details}"

@@ -37,7 +37,8 @@ _CONTENT_ID = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 #: Runtime dtype names accepted in ``representation.dtype`` (torch spelling).
 REPRESENTATION_DTYPES = frozenset(
-    {"bfloat16", "float16", "float32", "float64", "int8", "uint8", "float8_e4m3fn", "float8_e5m2"}
+    {"bfloat16", "float16", "float32", "float64", "int8", "uint8", "float8_e4m3fn", "float8_e5m2",
+     "float8_e4m3fnuz", "float8_e5m2fnuz"}
 )
 
 

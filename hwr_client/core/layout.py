@@ -42,9 +42,11 @@ PAD_PREFIX = "__hwr_pad."
 #: safetensors dtype string -> bytes per element. The torch side of the
 #: mapping lives in :mod:`hwr_client.tensors`; this module stays torch-free so
 #: the daemon can import it.
+#: The fp8 *fnuz* variants (finite, no negative zero: AMD's fp8) use the names
+#: safetensors gives them (``F8_E4M3FNUZ``, ``F8_E5M2FNUZ``).
 DTYPE_SIZES: dict[str, int] = {
     "BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8,
-    "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
+    "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
 }
 
 

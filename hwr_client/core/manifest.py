@@ -18,6 +18,7 @@ import operator
 import re
 from typing import Any, Iterable, TypeVar
 
+from hwr_client.core.annotations import check_annotations
 from hwr_client.core.errors import InvalidArgument
 from hwr_client.core.identity import Identity
 from hwr_client.core.layout import DTYPE_SIZES, MAX_DIM, check_shape_bound, check_tensor_names
@@ -169,7 +170,12 @@ class Manifest:
     ``key`` is the identity key; ``content_digest`` is
     :func:`content_digest` of the tensors; ``created_unix`` is seconds since
     the epoch; ``files``, ``tensors`` and ``blocks`` hold the entries in
-    order (tensors in layout order, blocks in execution order).
+    order (tensors in layout order, blocks in execution order);
+    ``annotations`` the publisher's opaque object
+    (:mod:`hwr_client.core.annotations`), None when it gave none (the
+    document then has no ``annotations`` field, as before they existed);
+    ``format_version`` the document's format (:data:`FORMAT_VERSION` for a
+    new one; a read manifest keeps the version it was written in).
     """
 
     key: str
@@ -179,6 +185,7 @@ class Manifest:
     files: tuple[FileEntry, ...]
     tensors: tuple[TensorEntry, ...]
     blocks: tuple[BlockEntry, ...]
+    annotations: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
 
     @property
@@ -219,6 +226,8 @@ class Manifest:
                 for b in self.blocks
             ],
         }
+        if self.annotations is not None:
+            doc["annotations"] = self.annotations
         return json.dumps(doc, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
     @classmethod
@@ -283,7 +292,13 @@ def _from_doc(doc: Any, what: str) -> Manifest:
     created = doc["created_unix"]
     if isinstance(created, bool) or not isinstance(created, int):
         raise InvalidArgument(f"{what}: created_unix must be an integer")
-    return Manifest(doc["key"], identity, digest, created, files, tensors, blocks, format_version=version)
+    # Optional (older manifests have none); checked like the plan's, so a
+    # manifest the daemon would not have written is refused.
+    annotations = None
+    if "annotations" in doc:
+        annotations = check_annotations(doc["annotations"], what=f"{what}: annotations")
+    return Manifest(doc["key"], identity, digest, created, files, tensors, blocks, annotations,
+                    format_version=version)
 
 
 def _files(doc_files: Any, what: str) -> tuple[FileEntry, ...]:

@@ -13,15 +13,22 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.core.annotations import (
+    MAX_ANNOTATIONS_BYTES,
+    annotations_json,
+    check_annotations,
+    parse_annotations,
+)
 from hwr_client.core.digests import check_label_text
 from hwr_client.core.errors import InvalidArgument, ResourceExhausted
 from hwr_client.core.identity import Identity
 from hwr_client.core.layout import MAX_HEADER_BYTES, FileLayout, TensorSpec, layout_file
 # manifest imports this module only for type annotations: no import cycle.
 from hwr_client.core.manifest import (
+    FORMAT_VERSION,
     BlockEntry,
     FileEntry,
     Manifest,
@@ -71,6 +78,12 @@ class PlanSpec:
     the daemon hashes while writing (otherwise it hashes by read-back).
     ``declared_content_digest``: the ``sha256:<hex>`` content digest the
     client expects, checked at commit; empty if none.
+    ``annotations``: an opaque object the daemon stores unchanged in the
+    manifest (:mod:`hwr_client.core.annotations`); None for none.
+    ``tensor_sha256``: the manifest records each tensor's SHA-256 (format 1)
+    instead of its xxh3-128 (format 2): for a consumer whose own format
+    needs one (vLLM-Omni); the daemon then hashes the tensors with SHA-256
+    a second time.
     """
 
     identity: Identity
@@ -78,6 +91,8 @@ class PlanSpec:
     blocks: tuple[BlockSpec, ...]
     ordered: bool = True
     declared_content_digest: str = ""
+    annotations: Mapping[str, Any] | None = None
+    tensor_sha256: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +160,8 @@ def check_plan(plan: PlanSpec) -> CheckedPlan:
         layouts.append(layout_file(f.tensors))
     if plan.declared_content_digest and not _CONTENT_DIGEST.match(plan.declared_content_digest):
         raise InvalidArgument("publication plan: declared_content_digest must be 'sha256:<64 hex>'")
+    if plan.annotations is not None:
+        check_annotations(plan.annotations, what="publication plan: annotations")
     checked: list[CheckedBlock] = []
     owner: dict[str, int] = {}  # tensor name -> the block that holds it
     for bi, b in enumerate(plan.blocks):
@@ -236,6 +253,12 @@ def check_plan_message(msg: pb.PublishPlan, limits: PlanLimits) -> None:
     # The identity is stored in the manifest: one that cannot fit it never could be served.
     if len(msg.identity_json) > limits.max_manifest_bytes:
         raise _exhausted("identity bytes", len(msg.identity_json), limits.max_manifest_bytes, "max_manifest_bytes")
+    # Annotations have their own fixed limit: a str of n characters holds at
+    # least n UTF-8 bytes, so a longer one is refused before from_proto
+    # parses it (the exact canonical size is checked there).
+    if len(msg.annotations_json) > MAX_ANNOTATIONS_BYTES:
+        raise InvalidArgument(f"publication plan: annotations of {len(msg.annotations_json)} characters exceed the "
+                              f"limit {MAX_ANNOTATIONS_BYTES} bytes (MAX_ANNOTATIONS_BYTES)")
     for fi, f in enumerate(msg.files):
         check_label_text(f.name, f"publication plan: files[{fi}].name")
         header = 0
@@ -284,6 +307,50 @@ def check_plan_sizes(checked: CheckedPlan, limits: PlanLimits) -> None:
         raise _exhausted("manifest bytes", size, limits.max_manifest_bytes, "max_manifest_bytes")
 
 
+def check_manifest_limits(manifest: Manifest, limits: PlanLimits, *, what: str, manifest_bytes: int) -> None:
+    """The plan limits and label checks applied to a manifest that did not
+    come through a plan (a pull): an artifact this node could not have
+    published is not taken from a registry either (it could not be served:
+    a Lookup of its manifest, a header the parser refuses).
+
+    Args:
+        manifest: the parsed manifest.
+        limits: the daemon's plan limits.
+        what: names it in errors (``registry/repo:tag``).
+        manifest_bytes: the size of its JSON as received.
+
+    Raises:
+        ResourceExhausted: files, tensors, blocks, a header or the manifest
+            over their limits (naming the ServerConfig field).
+        InvalidArgument: a NUL in a file label or block prefix, a tensor name
+            or prefix too long, too many dimensions.
+    """
+    def over(thing: str, value: int, limit: int, field: str) -> ResourceExhausted:
+        return ResourceExhausted(f"{what}: {thing} {value} exceeds the limit {limit} (ServerConfig.{field}); "
+                                 "this node would not publish it, so it does not pull it either")
+
+    counts = (("files", len(manifest.files), limits.max_artifact_files, "max_artifact_files"),
+              ("tensors", len(manifest.tensors), limits.max_artifact_tensors, "max_artifact_tensors"),
+              ("blocks", len(manifest.blocks), limits.max_artifact_tensors, "max_artifact_tensors"),
+              ("manifest bytes", manifest_bytes, limits.max_manifest_bytes, "max_manifest_bytes"))
+    for thing, value, limit, field in counts:
+        if value > limit:
+            raise over(thing, value, limit, field)
+    header_limit = min(limits.max_header_bytes, MAX_HEADER_BYTES)
+    for f in manifest.files:
+        check_label_text(f.name, f"{what}: files[{f.index}].name")
+        if f.data_start - 8 > header_limit:  # 8: the header's length prefix
+            raise over(f"file {f.index} header bytes", f.data_start - 8, header_limit, "max_header_bytes")
+    for t in manifest.tensors:
+        _check_name_bytes(t.name, f"{what}: tensor", limits)
+        if len(t.shape) > limits.max_tensor_dims:
+            raise InvalidArgument(f"{what}: tensor {t.name!r} has {len(t.shape)} dimensions; at most "
+                                  f"{limits.max_tensor_dims} (ServerConfig.max_tensor_dims)")
+    for b in manifest.blocks:
+        check_label_text(b.prefix, f"{what}: blocks[{b.index}].prefix")
+        _check_name_bytes(b.prefix, f"{what}: block prefix", limits)
+
+
 def to_proto(plan: PlanSpec) -> pb.PublishPlan:
     """The wire form of ``plan`` (:func:`from_proto` reads it back)."""
     return pb.PublishPlan(
@@ -299,6 +366,8 @@ def to_proto(plan: PlanSpec) -> pb.PublishPlan:
         blocks=[pb.BlockPlan(index=b.index, prefix=b.prefix, tensors=list(b.tensors)) for b in plan.blocks],
         ordered=plan.ordered,
         declared_content_digest=plan.declared_content_digest,
+        annotations_json=annotations_json(dict(plan.annotations)) if plan.annotations is not None else "",
+        tensor_sha256=plan.tensor_sha256,
     )
 
 
@@ -316,7 +385,9 @@ def from_proto(msg: pb.PublishPlan) -> PlanSpec:
         for f in msg.files
     )
     blocks = tuple(BlockSpec(b.index, b.prefix, tuple(b.tensors)) for b in msg.blocks)
-    return PlanSpec(identity, files, blocks, msg.ordered, msg.declared_content_digest)
+    annotations = parse_annotations(msg.annotations_json, what="publication plan: annotations")
+    return PlanSpec(identity, files, blocks, msg.ordered, msg.declared_content_digest, annotations,
+                    tensor_sha256=msg.tensor_sha256)
 
 
 def build_manifest(
@@ -334,24 +405,28 @@ def build_manifest(
     Args:
         file_digests: per file (sha256 hex, xxh3_128 hex).
         tensor_digests: tensor name -> xxh3_128 hex (the manifest format
-            :data:`~hwr_client.core.manifest.FORMAT_VERSION` 2 digest).
+            :data:`~hwr_client.core.manifest.FORMAT_VERSION` 2 digest), or
+            sha256 hex where the plan asks for ``tensor_sha256`` (format 1).
         block_xxh: per block xxh3_128 hex.
     """
     plan = checked.plan
+    sha = plan.tensor_sha256
     files = tuple(
         FileEntry(i, f.name, file_digests[i][0], lay.file_size, file_digests[i][1], lay.data_start)
         for i, (f, lay) in enumerate(zip(plan.files, checked.layouts))
     )
     tensors = tuple(
-        TensorEntry(spec.name, fi, spec.dtype, spec.shape, lay.data_start + off, spec.nbytes, "",
-                    tensor_digests[spec.name])
+        TensorEntry(spec.name, fi, spec.dtype, spec.shape, lay.data_start + off, spec.nbytes,
+                    tensor_digests[spec.name] if sha else "", "" if sha else tensor_digests[spec.name])
         for fi, lay in enumerate(checked.layouts)
         for spec, off in zip(lay.tensors, lay.tensor_offsets)
     )
     blocks = tuple(BlockEntry(b.index, b.prefix, b.file, b.begin, b.end, block_xxh[b.index], b.tensors) for b in checked.blocks)
-    digest = content_digest((t.name, t.dtype, t.shape, t.xxh3_128) for t in tensors)
+    digest = content_digest((t.name, t.dtype, t.shape, t.digest) for t in tensors)
     created = int(time.time()) if created_unix is None else created_unix
-    return Manifest(plan.identity.key, plan.identity, digest, created, files, tensors, blocks)
+    annotations = dict(plan.annotations) if plan.annotations is not None else None
+    return Manifest(plan.identity.key, plan.identity, digest, created, files, tensors, blocks, annotations,
+                    format_version=1 if sha else FORMAT_VERSION)
 
 
 def planned_manifest_bytes(checked: CheckedPlan) -> int:
@@ -360,6 +435,6 @@ def planned_manifest_bytes(checked: CheckedPlan) -> int:
     so the figure is exact (``created_unix`` has the same digits until 2286).
     Costs one manifest build, O(tensors)."""
     sha, xxh = "0" * 64, "0" * 32
-    tensors = {spec.name: xxh for lay in checked.layouts for spec in lay.tensors}
+    tensors = {spec.name: sha if checked.plan.tensor_sha256 else xxh for lay in checked.layouts for spec in lay.tensors}
     manifest = build_manifest(checked, [(sha, xxh)] * len(checked.layouts), tensors, [xxh] * len(checked.blocks))
     return len(manifest.to_json().encode("utf-8"))

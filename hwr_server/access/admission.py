@@ -13,7 +13,10 @@ every thread and the node's other calls hung. The rules, per socket:
 * **Admission before the first read.** A stream is counted at handler entry,
   before its first message, against its peer's cap
   (``max_streams_per_peer`` for a peer proven by the credentials handshake,
-  ``max_streams_anonymous`` for every caller without a token together) and
+  ``max_streams_anonymous`` for every caller without a token together), its
+  uid's cap (``max_streams_per_uid``, default half the socket's streams: one
+  user forking processes must not hold every stream while other users'
+  workers are refused; root and the daemon's uid are not capped by it) and
   the total. Over a cap: RESOURCE_EXHAUSTED naming the cap and its config
   field, and the thread goes back to the pool at once.
 * **A first-message deadline.** An admitted stream that sends nothing
@@ -39,7 +42,7 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from hwr_client.core.errors import InvalidArgument, ResourceExhausted
-from hwr_server.access.peers import Peer
+from hwr_server.access.peers import Peer, privileged
 from hwr_server.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,12 @@ def unary_reserve(config: ServerConfig) -> int:
 def stream_capacity(config: ServerConfig) -> int:
     """Client streams (Session, Publish) one socket serves at once."""
     return max(1, int(config.grpc_threads) - unary_reserve(config))
+
+
+def uid_stream_cap(config: ServerConfig) -> int:
+    """Client streams the processes of one (unprivileged) uid hold together:
+    ``max_streams_per_uid``, or half of :func:`stream_capacity` when 0."""
+    return int(config.max_streams_per_uid) or max(1, stream_capacity(config) // 2)
 
 
 class _Timer:
@@ -156,6 +165,7 @@ class StreamAdmission:
     def __init__(self, config: ServerConfig, *, socket_name: str, deadlines: Deadlines, per_peer: bool = True):
         for name, value, low in (("max_streams_per_peer", config.max_streams_per_peer, 1),
                                  ("max_streams_anonymous", config.max_streams_anonymous, 0),
+                                 ("max_streams_per_uid", config.max_streams_per_uid, 0),
                                  ("max_concurrent_rpcs", config.max_concurrent_rpcs, config.grpc_threads)):
             if value < low:
                 raise InvalidArgument(f"config: {name} = {value}; expected at least {low}")
@@ -166,9 +176,12 @@ class StreamAdmission:
         self.socket_name = socket_name
         self.per_peer = per_peer
         self.capacity = stream_capacity(config)
+        self.uid_cap = uid_stream_cap(config)
         self._deadlines = deadlines
         self._lock = threading.Lock()
         self._per_peer: dict[Peer, int] = {}
+        # Streams per uid of the unprivileged peers that hold any.
+        self._per_uid: dict[int, int] = {}
         self._total = 0
         self._refused = 0
         self._timeouts = 0
@@ -195,12 +208,18 @@ class StreamAdmission:
                     self._refusals_unlogged += 1
             else:
                 self._per_peer[peer] = held + 1
+                if peer.uid is not None and self._uid_capped(peer):
+                    self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
                 self._total += 1
         if refusal is not None:
             if unlogged >= 0:
                 log.warning("%s (and %d refusal(s) not logged since the last)", refusal, unlogged)
             raise ResourceExhausted(refusal)
         return Ticket(self, peer)
+
+    def _uid_capped(self, peer: Peer) -> bool:
+        """Whether ``peer``'s streams count against its uid's cap."""
+        return self.per_peer and peer.uid is not None and not privileged(peer)
 
     def _refusal(self, peer: Peer, rpc: str, held: int) -> str | None:
         cfg = self.config
@@ -214,6 +233,12 @@ class StreamAdmission:
             return (f"{who}: this process holds {held} client streams, the limit is {cfg.max_streams_per_peer} "
                     "per process (max_streams_per_peer); close idle clients or raise max_streams_per_peer in the "
                     "daemon config")
+        uid = peer.uid
+        if uid is not None and self._uid_capped(peer) and self._per_uid.get(uid, 0) >= self.uid_cap:
+            return (f"{who}: the processes of uid {uid} hold {self._per_uid[uid]} client streams "
+                    f"together, the limit is {self.uid_cap} per uid (max_streams_per_uid; 0 = half of the "
+                    f"{self.capacity} streams of this socket), so other users' workers find a place; close idle "
+                    "clients or raise max_streams_per_uid in the daemon config")
         if self._total >= self.capacity:
             return (f"{who}: {self._total} client streams are open, the limit is {self.capacity} "
                     f"(grpc_threads={cfg.grpc_threads} less {unary_reserve(cfg)} threads kept for unary calls); "
@@ -226,11 +251,19 @@ class StreamAdmission:
                 return
             ticket._released = True
             self._total -= 1
-            left = self._per_peer[ticket._peer] - 1
+            peer = ticket._peer
+            left = self._per_peer[peer] - 1
             if left:
-                self._per_peer[ticket._peer] = left
+                self._per_peer[peer] = left
             else:
-                del self._per_peer[ticket._peer]  # the table holds only peers with streams
+                del self._per_peer[peer]  # the table holds only peers with streams
+            uid = peer.uid
+            if uid is not None and self._uid_capped(peer):
+                n = self._per_uid[uid] - 1
+                if n:
+                    self._per_uid[uid] = n
+                else:
+                    del self._per_uid[uid]
 
     @contextlib.contextmanager
     def admitted(self, peer: Peer, rpc: str, context: grpc.ServicerContext) -> Iterator[None]:

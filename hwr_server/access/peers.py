@@ -16,21 +16,33 @@ Instead, a credentials handshake on a side socket:
    (:class:`PeerListener`).
 2. A client connects once per process. The daemon reads ``(pid, uid, gid)``
    from ``SO_PEERCRED`` (the kernel's word, not the client's), writes one
-   line, the token ``v1.<pid>.<uid>.<mac>`` with
-   ``mac = HMAC-SHA256(key, "v1.<pid>.<uid>")``, and closes. It never reads
-   from the client, so one that connects and stalls costs nothing.
+   line, the token ``v2.<pid>.<uid>.<start>.<mac>`` with ``start`` the
+   process's start time (``/proc/<pid>/stat``, clock ticks since boot) and
+   ``mac = HMAC-SHA256(key, "v2.<pid>.<uid>.<start>")``, and closes. It never
+   reads from the client, so one that connects and stalls costs nothing.
 3. The client sends the token as gRPC metadata
    (:data:`~hwr_client.core.defaults.PEER_TOKEN_METADATA`) on every call;
-   :func:`peer_of` checks the MAC and answers ``Peer(pid, uid)``. No token,
-   a malformed one or a wrong MAC: :data:`ANONYMOUS`, which has caps of its
-   own (old clients, raw gRPC, a daemon without the side socket).
+   :func:`peer_of` checks the MAC, then that the process it names is alive:
+   ``/proc/<pid>`` has that start time (so not a reused pid) and runs as that
+   effective uid now (so not a process that changed users since). Then it
+   answers ``Peer(pid, uid)``. No token, a malformed one, a wrong MAC or a
+   process that is gone: :data:`ANONYMOUS`, which has caps of its own (old
+   clients, raw gRPC, a daemon without the side socket).
 
 Why a MAC and not a table of issued tokens: checking needs no state, so a
 client that shakes hands a million times grows nothing; and the key lives in
-``<root>/peer.key`` (0600, owned by the daemon), so tokens survive a daemon
-restart and re-attaching clients keep their identity. A token is a secret of
-the process that received it: leaking it lets another process be counted as
-that one, which changes only whose caps it uses.
+``<root>/peer.key`` (0600, owned by the daemon), so a live worker's token
+survives a daemon restart and a re-attaching client keeps its identity.
+
+A token is still a bearer secret while its process lives: the uid a call is
+served as (which files ResolveSources vouches for, which leases ListLeases
+shows) is the token's. gRPC gives a handler neither the connection's socket
+nor its ``SO_PEERCRED``, so the daemon cannot tie a call to the process that
+made it; binding the token to the live process bounds a leak to that
+process's lifetime (it dies with the process, is refused for a reused pid
+and after a setuid). The client keeps it in memory only, never in the
+environment, a file or a log, and shakes hands again after a fork or a uid
+change (:mod:`hwr_client.channel`).
 """
 
 from __future__ import annotations
@@ -46,6 +58,8 @@ import socket
 import stat
 import struct
 import threading
+import time
+from typing import Callable
 
 import grpc
 
@@ -60,6 +74,12 @@ _KEY_BYTES = 32
 #: Longest token we parse; anything longer is not ours (anonymous).
 _MAX_TOKEN_CHARS = 96
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: A checked token's answer is reused for this long (one /proc read per
+#: process and period, not per call). Bounds how long a token outlives its
+#: process. Seconds.
+_LIVE_CHECK_S = 1.0
+#: Checked tokens remembered at most (the memo is dropped whole when full).
+_LIVE_MEMO_MAX = 4096
 #: accept() wakes this often to notice close(); a sleep that close() ends
 #: early, correctness does not depend on it. Seconds.
 _ACCEPT_POLL_S = 0.5
@@ -82,8 +102,46 @@ class Peer:
         """A stable label for logs and per-peer accounting."""
         return "anonymous" if self.pid is None else f"pid {self.pid} (uid {self.uid})"
 
+    @property
+    def uid_key(self) -> str:
+        """The label per-uid shares are counted by: every process of one
+        uid together; every caller without a token is one "anonymous"."""
+        return "anonymous" if self.uid is None else f"uid {self.uid}"
+
 
 ANONYMOUS = Peer()
+
+
+def privileged(peer: Peer) -> bool:
+    """Whether ``peer`` runs as root or as the daemon's own uid: the node's
+    operator. Per-uid shares (streams, publications, registration budget)
+    do not cap it, and the runtime socket's listings show it everything."""
+    return peer.uid is not None and (peer.uid == 0 or peer.uid == os.geteuid())
+
+
+def process_start(pid: int) -> int | None:
+    """Start time of process ``pid`` (clock ticks since boot, field 22 of
+    ``/proc/<pid>/stat``), or None when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read(4096)
+        # The command name (field 2) may hold spaces and parentheses: the
+        # fields after it start after the LAST ')'. Field 3 is index 0.
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_euid(pid: int) -> int | None:
+    """Effective uid of process ``pid`` now (``/proc/<pid>/status``), or None."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[2])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class PeerAuthority:
@@ -93,29 +151,51 @@ class PeerAuthority:
         key: the secret (see :func:`load_key`).
     """
 
-    def __init__(self, key: bytes):
+    def __init__(self, key: bytes, *, clock: Callable[[], float] = time.monotonic):
         self._key = key
+        self._clock = clock
+        # token -> (peer, checked at): the liveness check's memo.
+        self._live: dict[str, tuple[Peer, float]] = {}
+        self._live_lock = threading.Lock()
 
-    def _mac(self, pid: int, uid: int) -> str:
-        return hmac.new(self._key, f"v1.{pid}.{uid}".encode(), hashlib.sha256).hexdigest()[:32]
+    def _mac(self, pid: int, uid: int, start: int) -> str:
+        return hmac.new(self._key, f"v2.{pid}.{uid}.{start}".encode(), hashlib.sha256).hexdigest()[:32]
 
     def issue(self, pid: int, uid: int) -> str:
-        """The token of the process ``pid`` running as ``uid``."""
-        return f"v1.{pid}.{uid}.{self._mac(pid, uid)}"
+        """The token of the live process ``pid`` running as ``uid``; "" when
+        its start time cannot be read (it is gone): no token, anonymous."""
+        start = process_start(pid)
+        if start is None:
+            return ""
+        return f"v2.{pid}.{uid}.{start}.{self._mac(pid, uid, start)}"
 
     def verify(self, token: str) -> Peer | None:
-        """The peer a token names, or None if it is not one we issued."""
+        """The peer a token names, or None if we did not issue it or its
+        process is gone (see the module docstring)."""
         if len(token) > _MAX_TOKEN_CHARS:
             return None
+        now = self._clock()
+        memo = self._live.get(token)  # a dict read, atomic in CPython
+        if memo is not None and now - memo[1] < _LIVE_CHECK_S:
+            return memo[0]
         parts = token.split(".")
-        if len(parts) != 4 or parts[0] != "v1" or not all(p.isascii() and p.isdigit() for p in parts[1:3]):
+        if len(parts) != 5 or parts[0] != "v2" or not all(p.isascii() and p.isdigit() for p in parts[1:4]):
             return None
-        pid, uid = int(parts[1]), int(parts[2])
+        pid, uid, start = int(parts[1]), int(parts[2]), int(parts[3])
         # compare_digest: the time taken must not tell how much of a guessed
         # MAC was right.
-        if not hmac.compare_digest(parts[3], self._mac(pid, uid)):
+        if not hmac.compare_digest(parts[4], self._mac(pid, uid, start)):
             return None
-        return Peer(pid, uid)
+        # The process the token was issued to, still running as that uid:
+        # a reused pid has another start time, a setuid another euid.
+        if process_start(pid) != start or process_euid(pid) != uid:
+            return None
+        peer = Peer(pid, uid)
+        with self._live_lock:
+            if len(self._live) >= _LIVE_MEMO_MAX:
+                self._live.clear()
+            self._live[token] = (peer, now)
+        return peer
 
 
 def load_key(root: str) -> bytes:
@@ -241,6 +321,8 @@ class PeerListener:
             pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
             # pid 0: the peer lives in a pid namespace we cannot see; no
             # token (anonymous) rather than one every such process shares.
+            # The peer is alive while it waits for this line, so its pid
+            # cannot be reused before issue() reads its start time.
             token = self.authority.issue(pid, uid) if pid > 0 else ""
             # The line fits any socket buffer, so sendall does not wait on a
             # client that never reads; the timeout bounds it regardless.

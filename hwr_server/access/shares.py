@@ -15,42 +15,53 @@ from hwr_client.core.errors import InvalidArgument, ResourceExhausted
 
 class PeerShares:
     """Per-peer publication accounting (DESIGN §16), keyed by ``Peer.key``:
-    the slots each peer's publications hold and the bytes they reserved.
-    Thread-safe; one per store."""
+    the slots each peer's publications hold and the bytes they reserved;
+    and per uid (``Peer.uid_key``), the slots all processes of one uid hold
+    together. Thread-safe; one per store."""
 
     def __init__(self) -> None:
-        #: Guards both maps; notified when a slot is released.
+        #: Guards the maps; notified when a slot is released.
         self._cond = threading.Condition()
         self._slots: dict[str, int] = {}
+        self._uid_slots: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
 
-    def acquire_slot(self, peer: str, cap: int, is_active: Callable[[], bool], what: str) -> None:
-        """Waits until ``peer`` holds fewer than ``cap`` slots, then takes one.
+    def acquire_slot(self, peer: str, cap: int, is_active: Callable[[], bool], what: str, *,
+                     uid: str = "", uid_cap: int = 0) -> None:
+        """Waits until ``peer`` holds fewer than ``cap`` slots and its uid
+        ``uid`` fewer than ``uid_cap`` (0: no uid cap, root and the daemon's
+        uid), then takes one of each.
 
-        A peer over its share waits for one of its OWN publications to end,
-        holding no global slot meanwhile, so it cannot keep others waiting.
+        A peer over its share (or whose uid is over its own) waits for one of
+        its uid's OWN publications to end, holding no global slot meanwhile,
+        so it cannot keep others waiting: four processes of one user each
+        trickling a publication no longer hold every slot of the node.
 
         Raises:
             InvalidArgument: the caller went away while waiting.
         """
         with self._cond:
-            while self._slots.get(peer, 0) >= cap:
+            while self._slots.get(peer, 0) >= cap or (uid_cap and self._uid_slots.get(uid, 0) >= uid_cap):
                 # A timed wait: a caller that left must be noticed even when
                 # no slot is released.
                 self._cond.wait(timeout=0.5)
                 if not is_active():
-                    raise InvalidArgument(f"{what}: caller went away while waiting for one of its "
-                                          f"{cap} publication slots (max_publications_per_peer)")
+                    raise InvalidArgument(
+                        f"{what}: caller went away while waiting for one of its {cap} publication slots "
+                        f"(max_publications_per_peer) or one of {uid or 'its uid'}'s {uid_cap} "
+                        "(max_publications_per_uid)")
             self._slots[peer] = self._slots.get(peer, 0) + 1
+            self._uid_slots[uid] = self._uid_slots.get(uid, 0) + 1
 
-    def release_slot(self, peer: str) -> None:
-        """Returns a slot taken by :meth:`acquire_slot`."""
+    def release_slot(self, peer: str, *, uid: str = "") -> None:
+        """Returns a slot taken by :meth:`acquire_slot` (the same ``uid``)."""
         with self._cond:
-            left = self._slots.get(peer, 0) - 1
-            if left > 0:
-                self._slots[peer] = left
-            else:
-                self._slots.pop(peer, None)
+            for table, k in ((self._slots, peer), (self._uid_slots, uid)):
+                left = table.get(k, 0) - 1
+                if left > 0:
+                    table[k] = left
+                else:
+                    table.pop(k, None)
             self._cond.notify_all()
 
     def reserve(self, peer: str, nbytes: int, cap: int, what: str) -> None:
@@ -85,3 +96,8 @@ class PeerShares:
         """(slots, reserved bytes) ``peer`` holds now."""
         with self._cond:
             return self._slots.get(peer, 0), self._bytes.get(peer, 0)
+
+    def uid_slots(self, uid: str) -> int:
+        """Slots the processes of ``uid`` hold now."""
+        with self._cond:
+            return self._uid_slots.get(uid, 0)

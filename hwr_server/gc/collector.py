@@ -330,18 +330,21 @@ class Collector:
         return result
 
     def capacity_hook(self, nbytes: int, *, evict: bool = True, who: str = "") -> None:
-        """Called by a publication: at plan with ``evict=False``, at its first
-        payload chunk with ``evict=True``.
+        """Called by a publication or a pull: at plan with ``evict=False`` for
+        all its bytes, then with ``evict=True`` for each step of the bytes
+        that arrive (:class:`hwr_server.store.capacity.ArrivalAdmission`).
 
-        The eviction policy: a publication may make the collector delete
-        unleased artifacts only once its payload has started to arrive (a
-        plan that is cancelled or left idle costs no other artifact), only
-        when its bytes would cross the high watermark, and only if they then
-        fit (nothing is deleted for a publication that cannot fit anyway).
-        It collects down to the low watermark, as every collection does
-        (hysteresis, so the next publication does not collect again), least
+        The eviction policy: a transfer may make the collector delete
+        unleased artifacts only for payload bytes that have arrived (a plan
+        that is cancelled or left idle, or a registry that claims sizes and
+        sends nothing, costs no other artifact), only when those bytes would
+        cross the high watermark, only if they then fit (nothing is deleted
+        for a transfer that cannot fit anyway), and only as much as they
+        need: usage is brought to the high watermark less ``nbytes``, not
+        to the low watermark (the background thread's hysteresis), so one
+        chunk of a large plan deletes at most what that chunk needs. Least
         recently leased first, never a leased artifact; the log names the
-        publication and its peer (``who``).
+        publication or pull and its peer (``who``).
 
         The dry run (``evict=False``) refuses what cannot fit even after
         collecting and otherwise returns, deleting nothing; the store's own
@@ -356,7 +359,7 @@ class Collector:
             with self._run_lock:
                 if self._make_room(int(nbytes), cap, evict=evict, who=who or "a publication") and not evict:
                     return  # fits once collected; the store's check runs after that collection
-        self._fallback_hook(nbytes)  # the store's own check (disk free space)
+        self._fallback_hook(nbytes, who=who)  # the store's own check (disk free space)
 
     def _make_room(self, nbytes: int, cap: int, *, evict: bool, who: str) -> bool:
         """Collects (``evict``) or checks that collecting would make room.
@@ -377,14 +380,16 @@ class Collector:
                 return False  # fits; collect after the grace period
             raise ResourceExhausted(f"{what}: usage {snap.usage} + {nbytes} exceeds capacity {cap} bytes and "
                                     f"GC cannot run yet ({deferred}); retry later")
-        gc_plan = plan(snap, target_bytes=max(0, self.low_bytes - nbytes), pinned=self.pinned())
+        # Just enough for these bytes (see capacity_hook): the dry run checks
+        # that the whole plan could fit; each arriving step collects its own.
+        gc_plan = plan(snap, target_bytes=max(0, self.high_bytes - nbytes), pinned=self.pinned())
         if gc_plan.usage_after + nbytes > cap:
             raise ResourceExhausted(
                 f"{what}: usage {snap.usage} bytes ({snap.usage - gc_plan.bytes_freed} leased, in flight or "
                 f"still mapped) + {nbytes} exceeds capacity {cap} bytes even after collecting; release "
                 f"leases or raise `capacity`")
         if not evict:
-            log.info("gc: %s fits once %d bytes are collected; collecting when its payload arrives", what,
+            log.info("gc: %s fits once %d bytes are collected; collecting as its payload arrives", what,
                      gc_plan.bytes_freed)
             return True
         log.info("gc: collecting %d bytes in %d items for %s", gc_plan.bytes_freed, len(gc_plan.items), what)

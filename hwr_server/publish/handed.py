@@ -5,10 +5,13 @@ and the daemon hashes what the file holds.
 Per file:
 
 1. **Hand over.** The client asks the handoff socket for file i and gets a
-   new write-only descriptor of it (the first request collects what
-   capacity needs and preallocates every file, as the first chunk does on
-   the message transport). It writes the data region at the planned
-   offsets, padding included, and closes the descriptor.
+   new write-only descriptor of it. The first time file i is asked for,
+   its data size is admitted to capacity first (the publication's arrival
+   admission: the collector makes room for it, as for each chunk on the
+   message transport); nothing is preallocated, so a full disk is the
+   client's ENOSPC at pwrite (RESOURCE_EXHAUSTED). It writes the data
+   region at the planned offsets, padding included, and closes the
+   descriptor.
 2. **Seal** (``written{i, complete}``). The daemon marks the file sealed (no
    descriptor is handed out for it again), then takes a read lease on it
    (``F_SETLEASE``, ``F_RDLCK``): the kernel grants one only while NO
@@ -29,8 +32,11 @@ Per file:
 
 Ordered plans complete files in order (the daemon hashes file i while the
 client writes file i+1); unordered plans in any order; each file once.
-Bytes the client never wrote read as zero (the files are preallocated): the
-daemon's digests describe what the files hold, never what a client claims.
+Bytes the client never wrote read as zero (holes), and the size check
+makes it write through the file's end: the daemon's digests describe what
+the files hold, never what a client claims. The progress a ``written``
+reports (``data_bytes``) is the client's word, used for the publication's
+rate floor only (:meth:`HandedPayload.reported_bytes`).
 """
 
 from __future__ import annotations
@@ -119,6 +125,8 @@ class HandedPayload:
         self._lock = threading.Lock()
         self._closed = False
         self._sealed = [False] * self.n_files
+        self._admitted = [False] * self.n_files  # data size admitted to capacity (first hand-over)
+        self._reported = [0] * self.n_files  # data bytes each file's `written` messages reported, at most
         self._next = 0  # ordered: the file that must complete next
         self._sha: dict[int, Future] = {}
         self._xxh: dict[int, Future] = {}
@@ -148,8 +156,8 @@ class HandedPayload:
         Raises:
             PermissionDenied: ``uid`` is not the publication's peer's.
             InvalidArgument: no such file. FailedPrecondition: it is sealed.
-            Aborted: the publication ended. ResourceExhausted: capacity,
-                disk space or descriptors (from the allocation).
+            Aborted: the publication ended. ResourceExhausted: capacity
+                or disk space (the admission of the file's data size).
         """
         with self._lock:
             if self._closed:
@@ -161,7 +169,10 @@ class HandedPayload:
             if self._sealed[index]:
                 raise FailedPrecondition(f"{self._what(index)}: already reported written (sealed); no descriptor "
                                          "is handed out for it again")
-            self.files.allocate()  # once: collect, then preallocate every file
+            if not self._admitted[index]:
+                # Under the lock: two requests for the same file admit it once.
+                self.files.admit(self.files.checked.layouts[index].data_size)
+                self._admitted[index] = True
             return os.open(self.files.paths[index], os.O_WRONLY | os.O_CLOEXEC)
 
     # -- the Publish stream's side ---------------------------------------------------
@@ -186,14 +197,14 @@ class HandedPayload:
         with self._lock:
             if self._sealed[index]:
                 raise InvalidArgument(f"{self._what(index)}: already reported complete")
+            self._reported[index] = max(self._reported[index], lay.data_size if complete else data_bytes)
             if not complete:
-                return  # progress only: the message itself kept the publication from going idle
+                return  # progress only: counted by the rate floor, and it kept the publication from going idle
             if self.files.ordered and index != self._next:
                 raise InvalidArgument(f"{self._what(index)}: completed out of order; ordered mode expects file "
                                       f"{self._next} next (use ordered=false to complete files in any order)")
             self._sealed[index] = True
             self._next += 1
-            self.files.allocate()  # a file the client never asked for (no data bytes) still counts
         self._seal_file(index, lay.file_size)
         self._sha[index] = self._hash_pool.submit(self._sha_task, index)
         self._xxh[index] = self._hash_pool.submit(self._xxh_task, index)
@@ -231,6 +242,16 @@ class HandedPayload:
             return xxh3_pass(fd, lay.file_size, self._parts[index], lay.header, self._what(index))
         finally:
             os.close(fd)
+
+    def reported_bytes(self, index: int, data_bytes: int, complete: bool) -> int:
+        """The data bytes a ``written{index, data_bytes, complete}`` newly
+        reports: beyond what file ``index``'s earlier messages reported, up
+        to its data size (a completion reports all of it). 0 for a bad index
+        or a sealed file (:meth:`written` refuses those)."""
+        if not 0 <= index < self.n_files or self._sealed[index]:
+            return 0
+        size = self.files.checked.layouts[index].data_size
+        return max(0, min(size, size if complete else data_bytes) - self._reported[index])
 
     @property
     def bytes_written(self) -> int:

@@ -33,8 +33,9 @@ class StagedFiles:
         threads: hashing / fsync threads it may use.
         max_chunk_bytes: the largest message chunk (streamed transport).
         max_pending_fsyncs: finished files whose fsync may be pending.
-        allocate: collects what capacity needs and preallocates every file,
-            once (the first payload byte calls it; later calls return).
+        admit: makes room for this many payload bytes before they may be
+            written (the publication's arrival admission): each chunk on the
+            message transport, each file's data size on the handoff one.
         sha256_tensors: tensors whose SHA-256 the plan declared.
         nice: nice increment of the transport's own hashing and fsync
             threads (ServerConfig.publication_nice).
@@ -46,7 +47,7 @@ class StagedFiles:
     threads: int
     max_chunk_bytes: int
     max_pending_fsyncs: int
-    allocate: Callable[[], None]
+    admit: Callable[[int], None]
     sha256_tensors: frozenset[str]
     nice: int = 0
 
@@ -110,6 +111,11 @@ class Payload(Protocol):
     def written(self, index: int, data_bytes: int, complete: bool) -> None:
         """A handoff progress or completion (InvalidArgument where the
         transport takes none)."""
+        ...
+
+    def reported_bytes(self, index: int, data_bytes: int, complete: bool) -> int:
+        """The bytes a ``written`` with these fields would newly report (0
+        where the transport takes none); changes nothing."""
         ...
 
     def digests(self) -> Digests:

@@ -21,15 +21,25 @@ header and manifest sizes before anything is staged (:func:`plan_limits`);
 a peer runs at most ``max_publications_per_peer`` publications and, beyond
 its first, reserves at most ``peer_reserved_bytes`` (:class:`PeerShares`);
 a publication that receives nothing for ``publication_idle_s`` ends ABORTED
-(:class:`RequestPump`). Running out of descriptors is RESOURCE_EXHAUSTED.
+or brings fewer than ``publication_min_bytes_per_s`` per second the daemon
+waits for it (:class:`RequestPump`; on the handoff transport the bytes
+counted are those each ``written`` newly reports, see
+:meth:`Publication.reported_bytes`); a uid runs at most
+``max_publications_per_uid`` (:func:`uid_publication_cap`). Running out of
+descriptors is RESOURCE_EXHAUSTED.
 
-What a publication may evict: nothing before its first payload byte (a
-chunk, or the first descriptor handed over). At plan the capacity check is
-a dry run: a plan that cannot fit even after collecting is refused at once,
-one that fits only after collecting is accepted and nothing is deleted yet;
-its space is preallocated, after the collection it needs, when its payload
-starts, so a plan cancelled or left idle costs no other artifact. The
-collector logs every such collection with the peer and the publication.
+What a publication may evict: only room for payload bytes that arrive.
+At plan the capacity check is a dry run: a plan that cannot fit even after
+collecting is refused at once, one that fits only after collecting is
+accepted and nothing is deleted yet. Then bytes are admitted
+(:class:`~hwr_server.store.capacity.ArrivalAdmission`: a step of at least
+4 MiB and 1/64 of the plan at a time, the collector deleting only what that
+step needs) before they can be written: each valid chunk on the message
+transport; a file's data size the first time its descriptor is handed out
+on the handoff transport. Nothing is preallocated (a full disk is the
+writer's ENOSPC: RESOURCE_EXHAUSTED), so a plan cancelled or left idle
+costs no other artifact. The collector logs every collection with the peer
+and the publication.
 """
 
 from __future__ import annotations
@@ -46,17 +56,18 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import Aborted, FailedPrecondition, HwrError, InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.core.plan import CheckedPlan, build_manifest, check_plan, check_plan_message, check_plan_sizes, from_proto
 from hwr_server.access.peers import ANONYMOUS, Peer
+from hwr_server.access.publisher import published_by
 from hwr_server.publish.handed import HandedPayload
 from hwr_server.publish.handoff import HandoffListener
-from hwr_server.publish.limits import plan_limits
+from hwr_server.publish.limits import declared_tensors, plan_limits, uid_publication_cap
 from hwr_server.publish.payload import Digests, Payload, StagedFiles
 from hwr_server.publish.streamed import StreamedPayload
 from hwr_server.store import commit as durable
+from hwr_server.store.capacity import ArrivalAdmission
 from hwr_server.store.staging_io import os_error, pwrite_all
 
 log = logging.getLogger(__name__)
 
-_HEX_DIGITS = "0123456789abcdef"
 #: Finished files whose background fsync may be pending at once (ordered
 #: message transport: each holds its descriptor until fsynced, the writer
 #: waits beyond that; handoff transport: fsync threads).
@@ -100,7 +111,7 @@ class Publication:
         self._peer_slot = False
         self._reserved = 0  # bytes counted in the peer's reservation
         self._claimed = False
-        self._allocated = False  # files preallocated (when the payload starts)
+        self._admission: ArrivalAdmission | None = None  # capacity, from the first payload byte on
         self._done = False
         self._counted = False
         self._moved: list[str] = []  # blobs this attempt moved into blobs/
@@ -139,7 +150,7 @@ class Publication:
             check_plan_message(msg, limits)
             checked = check_plan(from_proto(msg))
             check_plan_sizes(checked, limits)
-            declared = _declared_tensors(msg)
+            declared = declared_tensors(msg)
         except HwrError:
             store.count("rejected")
             raise
@@ -167,10 +178,11 @@ class Publication:
             return
         self._claimed = True
         cfg, shares = self.store.config, self.store.publication_peers
-        # The peer's own share first (config.max_publications_per_peer), so a
-        # peer over it waits without holding one of the global slots.
+        # The peer's and its uid's own shares first (max_publications_per_peer,
+        # max_publications_per_uid), so one over them waits without holding
+        # one of the global slots.
         shares.acquire_slot(self.peer.key, max(1, min(cfg.max_publications_per_peer, cfg.max_publications)),
-                            is_active, self._what())
+                            is_active, self._what(), uid=self.peer.uid_key, uid_cap=uid_publication_cap(cfg, self.peer))
         self._peer_slot = True
         # Wait for a publication slot (config.max_publications); give up when the caller left.
         while not self.store.publication_slots.acquire(timeout=0.5):
@@ -209,8 +221,8 @@ class Publication:
         files = StagedFiles(
             self.checked, [self._file_path(i) for i in range(self.n_files)], self._what(),
             threads=max(1, int(cfg.hash_threads or os.cpu_count() or 2)), max_chunk_bytes=int(cfg.max_chunk_bytes),
-            max_pending_fsyncs=self.max_pending_fsyncs, allocate=self.allocate,
-            sha256_tensors=frozenset(self.declared_tensors), nice=int(cfg.publication_nice),
+            max_pending_fsyncs=self.max_pending_fsyncs, admit=self.admit,
+            sha256_tensors=self._sha256_tensors(), nice=int(cfg.publication_nice),
         )
         if handoff is not None:
             handed = HandedPayload(files, self.pub_id[:6], listener=handoff, peer_uid=self.peer.uid)
@@ -218,6 +230,13 @@ class Publication:
         else:
             self.payload = StreamedPayload(files, self.pub_id[:6])
         log.info("publication %s: %s transport", self.pub_id, "handoff" if handoff is not None else "message")
+
+    def _sha256_tensors(self) -> frozenset[str]:
+        """The tensors hashed with SHA-256 as well: every one where the plan
+        asks for ``tensor_sha256`` (a format-1 manifest), else the declared ones."""
+        if self.checked.plan.tensor_sha256:
+            return frozenset(spec.name for lay in self.checked.layouts for spec in lay.tensors)
+        return frozenset(self.declared_tensors)
 
     def _peer_byte_cap(self) -> int:
         """config.peer_reserved_bytes, or by default half of the capacity
@@ -230,25 +249,18 @@ class Publication:
         st = os.statvfs(self.store.root)
         return st.f_blocks * st.f_frsize // 2
 
-    def allocate(self) -> None:
-        """When the payload starts (the first chunk, the first descriptor
-        handed over, or a commit without either): collects what capacity
-        needs, then preallocates every file, so a full disk fails here,
-        before the payload is written, and an idle or cancelled plan never
-        cost space or another artifact. Once; later calls return."""
-        if self._allocated:
-            return
-        self._allocated = True
-        self.store.capacity_hook(self.checked.total_bytes, evict=True, who=self._what())
-        for i, lay in enumerate(self.checked.layouts):
-            try:
-                fd = os.open(self._file_path(i), os.O_RDWR | os.O_CLOEXEC)
-                try:
-                    os.posix_fallocate(fd, 0, lay.file_size)
-                finally:
-                    os.close(fd)  # no writable descriptor of ours outlives this (the handoff seal counts them)
-            except OSError as exc:
-                raise os_error(exc, f"{self._what()} file {i}") from None
+    def admit(self, nbytes: int) -> None:
+        """Capacity for ``nbytes`` payload bytes about to be written (a
+        chunk; a handed-over file's data region), before they are: see the
+        module docstring. Called by one thread at a time (the stream's, or
+        a handoff thread under the handed payload's lock).
+
+        Raises:
+            ResourceExhausted: capacity or disk space; none of them may be written.
+        """
+        if self._admission is None:
+            self._admission = ArrivalAdmission(self.store.capacity_hook, self.checked.total_bytes, who=self._what())
+        self._admission.admit(nbytes)
 
     def _file_path(self, i: int) -> str:
         return os.path.join(self.staging, f"{i:05d}.safetensors")
@@ -264,14 +276,29 @@ class Publication:
 
     # -- payload ----------------------------------------------------------------
 
+    def reported_bytes(self, req: pb.PublishRequest) -> int:
+        """The payload bytes a request brings, as the rate floor counts them
+        (``RequestPump(size_of=)``): a chunk's length; what a ``written``
+        newly reports for its file (each file counted up to its data size,
+        once). Handed bytes go into a file the daemon does not watch, so
+        they are the client's word; a client that claims them early gains at
+        most one rate window, since no file's bytes count twice."""
+        kind = req.WhichOneof("kind")
+        if kind == "chunk":
+            return len(req.chunk.data)
+        if kind == "written" and self.payload is not None:
+            w = req.written
+            return self.payload.reported_bytes(w.file_index, w.data_bytes, w.complete)
+        return 0
+
     def _payload(self, what: str) -> Payload:
         if self.already_published or self.payload is None:
             raise InvalidArgument(f"{what}: artifact {self.key[:12]} is already published; send commit without payload")
         return self.payload
 
     def write(self, file_index: int, offset: int, data: bytes) -> None:
-        """Writes one message chunk (message transport; the first collects
-        and preallocates, see :meth:`allocate`).
+        """Writes one message chunk (message transport), after the capacity
+        its bytes need (:meth:`admit`).
 
         Raises:
             InvalidArgument: bad index/offset/size, out of order, overlap,
@@ -323,7 +350,8 @@ class Publication:
             self.bytes_written = payload.bytes_written
         # Declared digests: a mismatch refuses the publication before anything moves.
         self._check_declared(digests)
-        manifest = build_manifest(self.checked, digests.files, digests.tensors, digests.blocks)
+        tensor_digests = digests.tensor_sha256 if self.checked.plan.tensor_sha256 else digests.tensors
+        manifest = build_manifest(self.checked, digests.files, tensor_digests, digests.blocks)
         if self.checked.plan.declared_content_digest and manifest.content_digest != self.checked.plan.declared_content_digest:
             raise FailedPrecondition(
                 f"publication {self.pub_id}: content digest {manifest.content_digest}, declared "
@@ -341,7 +369,8 @@ class Publication:
             [self._file_path(i) for i in range(self.n_files)], payload.sync,
         )
         try:
-            text = durable.publish(self.store, staged, manifest, self._moved)
+            text = durable.publish(self.store, staged, manifest, self._moved,
+                                   publisher=published_by(self.peer, self.pub_id))
         except OSError as exc:
             raise os_error(exc, f"publication {self.pub_id} commit") from None
         self._done = True
@@ -385,21 +414,10 @@ class Publication:
             self.store.publication_slots.release()
             self._slot = False
         if self._peer_slot:
-            self.store.publication_peers.release_slot(self.peer.key)
+            self.store.publication_peers.release_slot(self.peer.key, uid=self.peer.uid_key)
             self._peer_slot = False
         if not self._done and not self._counted and not self.already_published:
             self._counted = True
             self.store.count("failed", nbytes=0, seconds=time.monotonic() - self.started)
             log.info("publication %s of %s ended without commit; staging removed", self.pub_id, self.key[:12])
-
-
-def _declared_tensors(msg: pb.PublishPlan) -> dict[str, str]:
-    out = {}
-    for f in msg.files:
-        for t in f.tensors:
-            if t.declared_sha256:
-                if len(t.declared_sha256) != 64 or any(c not in _HEX_DIGITS for c in t.declared_sha256):
-                    raise InvalidArgument(f"publication plan: tensor {t.name!r} declared_sha256 must be 64 lowercase hex")
-                out[t.name] = t.declared_sha256
-    return out
 

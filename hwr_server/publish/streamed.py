@@ -60,11 +60,10 @@ class StreamedPayload:
         self._started = False
 
     def _start(self) -> None:
-        """At the first chunk: the publication allocates, ordered mode starts its hashers."""
+        """At the first chunk (or the commit): ordered mode starts its hashers."""
         if self._started:
             return
         self._started = True
-        self.files.allocate()
         if self.files.ordered:
             self._stages = [
                 _Stage(lambda it: self._whole[it[0]].update(it[1]), f"hwr-sha-file-{self.tag}"),
@@ -96,7 +95,7 @@ class StreamedPayload:
     # -- chunks -----------------------------------------------------------------
 
     def write(self, index: int, offset: int, data: bytes) -> int:
-        """Writes one chunk (the first collects and preallocates).
+        """Writes one chunk, after the capacity its bytes need (``files.admit``).
 
         Raises:
             InvalidArgument: bad index/offset/size, out of order, overlap.
@@ -117,16 +116,21 @@ class StreamedPayload:
         if self.files.ordered:
             self._check_order(index, offset, what)
             self._start()
+            self.files.admit(len(data))
             self._write_ordered(index, offset, data, what)
         else:
             self._coverage[index].add(offset, offset + len(data), what)
             self._start()
+            self.files.admit(len(data))
             self._pwrite(index, offset, data, what)
         return len(data)
 
     def written(self, index: int, data_bytes: int, complete: bool) -> None:
         raise InvalidArgument(f"{self.files.what}: `written` belongs to the handoff transport; this publication "
                               "takes its payload in chunks")
+
+    def reported_bytes(self, index: int, data_bytes: int, complete: bool) -> int:
+        return 0  # `written` is refused here; chunks are counted by their length
 
     def _check_order(self, fi: int, offset: int, what: str) -> None:
         layouts = self.files.checked.layouts

@@ -10,6 +10,7 @@ One OCI image manifest per artifact::
      "layers": [{"mediaType": "application/vnd.cncf.model.weight.v1.raw",
                  "digest": "sha256:<FileEntry.blob>", "size": FileEntry.size,
                  "annotations": {"org.cncf.model.filepath": "<FileEntry.name>",
+                                 "org.opencontainers.image.title": "<file name, see file_titles>",
                                  "org.hwr.file.index": "<i>"}}, ...],
      "annotations": {"org.hwr.key": ..., "org.hwr.contract": "name@version",
                      "org.hwr.layout": "tp<r>of<n>-sp<s>-<backend>",
@@ -23,6 +24,21 @@ The config blob is the artifact's ``manifest.json`` byte for byte; the layers
 are the payload files in the manifest's file order, uncompressed, so each
 layer's digest is the blob's own name in ``blobs/sha256/`` (a push never
 hashes). The tag is the identity key.
+
+Two annotations name each layer's file, for two kinds of reader: ModelPack's
+``org.cncf.model.filepath`` and ``org.opencontainers.image.title``, from
+which ORAS (and CRI-O's image volumes) name a pulled file and without which
+``oras pull`` skips the layer. The title is the file's relative name when it
+is a safe, unique file name (:func:`safe_title`), else ``<index>.safetensors``;
+a pull refuses a title that is not safe (a registry must not hand an ORAS
+user a path such as ``../../x``).
+
+Why the artifact keeps its own ``artifactType`` and config media type rather
+than ModelPack's (``application/vnd.cncf.model.manifest.v1+json`` and a
+``…model.config.v1+json`` config): the config must be the HWR manifest (the
+pull commits from it), and the payload files are a runtime layout (cast,
+packed, padded), not a checkpoint a ModelPack runtime could serve; a
+ModelPack artifact type would invite serving stacks to mount and load them.
 
 :func:`check_remote` validates what a registry answered against all of it;
 this module is pure (no I/O, no torch), so another tool can use it as the
@@ -50,6 +66,10 @@ CONFIG_MEDIA_TYPE = "application/vnd.hwr.manifest.v1+json"
 LAYER_MEDIA_TYPE = "application/vnd.cncf.model.weight.v1.raw"
 #: ModelPack's layer annotation for the file's name.
 FILEPATH_ANNOTATION = "org.cncf.model.filepath"
+#: The OCI annotation ORAS names a pulled file by.
+TITLE_ANNOTATION = "org.opencontainers.image.title"
+#: Longest title, UTF-8 bytes (a file name on Linux).
+MAX_TITLE_BYTES = 255
 KEY_ANNOTATION = "org.hwr.key"
 #: The largest OCI manifest read from a registry, bytes (one descriptor is
 #: ~300 bytes; an artifact has at most a few hundred files).
@@ -64,6 +84,24 @@ def digest_of(data: bytes) -> str:
 def _layout(doc: Mapping[str, Any]) -> str:
     lay = doc["layout"]
     return f"tp{lay['tp_rank']}of{lay['tp_size']}-sp{lay['sp_size']}-{lay['sp_backend']}"
+
+
+def safe_title(name: str) -> bool:
+    """Whether ``name`` is usable as a pulled file's name: one path
+    component, printable (no control characters: titles reach logs and
+    terminals), not ``.`` or ``..``, at most :data:`MAX_TITLE_BYTES`."""
+    return (bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name
+            and name.isprintable() and len(name.encode("utf-8")) <= MAX_TITLE_BYTES)
+
+
+def file_titles(manifest: Manifest) -> list[str]:
+    """Each file's title: its name when every name is a safe title and no
+    two are equal, else ``<index:05d>.safetensors`` for all (one rule for
+    the whole artifact, so a reader can tell which was used)."""
+    names = [f.name for f in manifest.files]
+    if all(safe_title(n) for n in names) and len(set(names)) == len(names):
+        return names
+    return [f"{f.index:05d}.safetensors" for f in manifest.files]
 
 
 def build_oci_manifest(manifest: Manifest, config: bytes) -> bytes:
@@ -92,8 +130,8 @@ def build_oci_manifest(manifest: Manifest, config: bytes) -> bytes:
         "config": {"mediaType": CONFIG_MEDIA_TYPE, "digest": digest_of(config), "size": len(config)},
         "layers": [
             {"mediaType": LAYER_MEDIA_TYPE, "digest": "sha256:" + f.blob, "size": f.size,
-             "annotations": {FILEPATH_ANNOTATION: f.name, "org.hwr.file.index": str(f.index)}}
-            for f in manifest.files
+             "annotations": {FILEPATH_ANNOTATION: f.name, TITLE_ANNOTATION: title, "org.hwr.file.index": str(f.index)}}
+            for f, title in zip(manifest.files, file_titles(manifest))
         ],
         "annotations": annotations,
     }
@@ -138,6 +176,16 @@ def _descriptor(value: Any, what: str, media_type: str) -> Descriptor:
     return Descriptor(mt, digest, size)
 
 
+def _check_title(annotations: Any, what: str) -> None:
+    """A layer's title, when it has one, must be a safe file name: ORAS
+    writes the layer to that name (a ``../`` in it is a path out of the
+    user's directory)."""
+    title = annotations.get(TITLE_ANNOTATION) if isinstance(annotations, dict) else None
+    if title is not None and not (isinstance(title, str) and safe_title(title)):
+        raise FailedPrecondition(f"{what}: title {str(title)[:80]!r} is not a safe file name (one printable path "
+                                 "component, not '.' or '..')")
+
+
 def parse_oci_manifest(raw: bytes, *, what: str, content_type: str = "",
                        expected_digest: str = "") -> OciManifest:
     """Checks an OCI manifest a registry answered.
@@ -178,6 +226,8 @@ def parse_oci_manifest(raw: bytes, *, what: str, content_type: str = "",
     if not isinstance(layers, list) or not layers:
         raise FailedPrecondition(f"{what}: expected a non-empty list of layers")
     descs = tuple(_descriptor(lay, f"{what} layer {i}", LAYER_MEDIA_TYPE) for i, lay in enumerate(layers))
+    for i, lay in enumerate(layers):
+        _check_title(lay.get("annotations"), f"{what} layer {i}")
     annotations = doc.get("annotations") or {}
     if not isinstance(annotations, dict) or not all(isinstance(v, str) for v in annotations.values()):
         raise FailedPrecondition(f"{what}: annotations must map strings to strings")
@@ -224,5 +274,6 @@ def check_config(oci: OciManifest, config: bytes, *, what: str, tag: str = "") -
 
 __all__ = [
     "ARTIFACT_TYPE", "CONFIG_MEDIA_TYPE", "Descriptor", "LAYER_MEDIA_TYPE", "MANIFEST_MEDIA_TYPE", "OciManifest",
-    "build_oci_manifest", "check_config", "digest_of", "parse_oci_manifest",
+    "TITLE_ANNOTATION", "build_oci_manifest", "check_config", "digest_of", "file_titles", "parse_oci_manifest",
+    "safe_title",
 ]

@@ -16,9 +16,27 @@ What it does:
   * TLS verified against the system store or a CA file (a certificate that
     does not verify is ``FailedPrecondition`` naming TLS verification: a
     retry cannot help); ``insecure`` is plain HTTP (a loopback registry);
-  * redirects for blob GETs (registries send them to object storage; the
-    Authorization header is dropped when the host changes);
-  * monolithic or chunked uploads, ``Range`` resume of a download.
+  * redirects for blob GETs (registries send them to object storage);
+  * monolithic or chunked uploads, ``Range`` resume of a download (a
+    registry that ignores the Range and answers 200 is read from the start).
+
+Where credentials go (an origin is scheme, host and port): the
+``Authorization`` header only to the registry's own origin, never after a
+redirect elsewhere; a redirect from https to http is refused (it would send
+the request, and its URL's signature, in clear); a Bearer challenge's realm
+is asked for a token only when it is the registry's own origin or listed
+in ``[remote] token_realms`` (Docker Hub's ``https://auth.docker.io``), so
+a registry cannot make the daemon fetch an arbitrary URL (a loopback
+service) and forward what it answers, nor collect the basic credentials
+over plain HTTP somewhere else. The credentials file is read as
+:mod:`hwr_server.remote.credentials` says, and read again after a refused
+answer (a rotated password works without a restart).
+
+What is read of an answer (:mod:`hwr_server.remote.httpio`): the head and
+every small body within ``timeout_s`` each; a 401's or a redirect's body
+never (the connection is closed); an error's first
+:data:`~hwr_server.remote.httpio.DETAIL_BYTES`; a manifest, config or
+token up to the caller's limit.
 
 Errors are :mod:`hwr_client.core.errors` classes: a connection failure,
 timeout or 5xx is ``Unavailable`` (retry is safe), 401/403 after the
@@ -29,28 +47,29 @@ challenge ``PermissionDenied``, 404 ``NotFound``, anything else
 from __future__ import annotations
 
 import base64
-import dataclasses
+import hashlib
 import http.client
 import json
 import logging
-import re
 import ssl
 import threading
 import urllib.parse
-from typing import BinaryIO, Callable, Mapping, Protocol, Union
+from typing import BinaryIO, Callable, Mapping, Protocol, Sequence, Union
 
-from hwr_client.core.errors import (
-    FailedPrecondition, HwrError, InvalidArgument, NotFound, PermissionDenied, Unavailable,
-)
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from hwr_server.logtext import untrusted
+from hwr_server.remote.credentials import CredentialSource, Credentials, load_credentials
+from hwr_server.remote.httpio import Deadline, Watchdog, connect_error, detail, read_capped, redirect, status_error
+from hwr_server.remote.names import Origin, Reference, parse_challenge, parse_origin, parse_reference
 
 log = logging.getLogger(__name__)
 
 #: Bytes read from a response (or a file for an upload) at a time.
 IO_BYTES = 1 << 20
+#: The largest token-service answer read, bytes (a JWT is 1-8 KiB).
+TOKEN_BYTES = 64 * 1024
 _MAX_REDIRECTS = 5
-_REPO = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*\Z")
-_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}\Z")
+_REDIRECTS = (301, 302, 303, 307, 308)
 
 
 class Readable(Protocol):
@@ -62,125 +81,72 @@ class Readable(Protocol):
 Body = Union[bytes, Readable]
 
 
-@dataclasses.dataclass(frozen=True)
-class Reference:
-    """``host[:port]/repository[:tag|@sha256:…]``; ``tag`` and ``digest``
-    may both be empty (the caller fills the tag with the key)."""
-
-    host: str
-    repository: str
-    tag: str = ""
-    digest: str = ""
-
-    def __str__(self) -> str:
-        tail = f"@{self.digest}" if self.digest else (f":{self.tag}" if self.tag else "")
-        return f"{self.host}/{self.repository}{tail}"
-
-    @property
-    def reference(self) -> str:
-        """What goes after ``/manifests/``: the digest, else the tag."""
-        return self.digest or self.tag
-
-
-def parse_reference(text: str) -> Reference:
-    """Parses ``host[:port]/repository[:tag|@sha256:<hex>]``.
-
-    Raises:
-        InvalidArgument: naming the part that is wrong.
-    """
-    what = f"registry reference {text!r}"
-    host, sep, rest = text.partition("/")
-    if not sep or not host or not rest:
-        raise InvalidArgument(f"{what}: expected host[:port]/repository[:tag]")
-    digest = tag = ""
-    if "@" in rest:
-        rest, digest = rest.split("@", 1)
-        if not _DIGEST.match(digest):
-            raise InvalidArgument(f"{what}: digest {digest!r}, expected sha256:<64 lowercase hex>")
-    elif ":" in rest.rsplit("/", 1)[-1]:
-        rest, tag = rest.rsplit(":", 1)
-        if not _TAG.match(tag):
-            raise InvalidArgument(f"{what}: tag {tag!r}, expected [A-Za-z0-9_][A-Za-z0-9._-]{{0,127}}")
-    if not _REPO.match(rest):
-        raise InvalidArgument(f"{what}: repository {rest!r}, expected lowercase path components")
-    return Reference(host, rest, tag, digest)
-
-
-def load_credentials(path: str, host: str) -> tuple[str, str] | None:
-    """(user, password) for ``host`` from a docker-style ``config.json``
-    (``{"auths": {"host:port": {"auth": base64("user:pass")}}}``, or
-    ``username``/``password`` fields); None when it has no entry.
-
-    Raises:
-        InvalidArgument: unreadable or malformed file.
-    """
-    try:
-        with open(path, "rb") as f:
-            doc = json.load(f)
-    except OSError as exc:
-        raise InvalidArgument(f"credentials file {path}: cannot read ({exc.strerror})") from None
-    except ValueError as exc:
-        raise InvalidArgument(f"credentials file {path}: not JSON ({exc})") from None
-    auths = doc.get("auths") if isinstance(doc, dict) else None
-    if not isinstance(auths, dict):
-        raise InvalidArgument(f"credentials file {path}: expected an object with an 'auths' object")
-    for name in (host, f"https://{host}", f"http://{host}"):
-        entry = auths.get(name)
-        if not isinstance(entry, dict):
-            continue
-        if isinstance(entry.get("auth"), str):
-            try:
-                user, sep, password = base64.b64decode(entry["auth"], validate=True).decode("utf-8").partition(":")
-            except (ValueError, UnicodeDecodeError):
-                raise InvalidArgument(f"credentials file {path}: auths[{name!r}].auth is not base64 of "
-                                      "user:password") from None
-            if sep:
-                return user, password
-        if isinstance(entry.get("username"), str) and isinstance(entry.get("password"), str):
-            return entry["username"], entry["password"]
-        raise InvalidArgument(f"credentials file {path}: auths[{name!r}] has neither auth nor username/password")
-    return None
-
-
-def _challenge(header: str) -> tuple[str, dict[str, str]]:
-    """(scheme, params) of a ``WWW-Authenticate`` header."""
-    scheme, _, rest = header.strip().partition(" ")
-    params = {k.lower(): v for k, v in re.findall(r'(\w+)="([^"]*)"', rest)}
-    return scheme.lower(), params
-
-
 class Response:
-    """A response whose body is read by the caller; close it (context manager)."""
+    """A response whose body is read by the caller; close it (context manager).
 
-    def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse):
+    Until :meth:`read` or :meth:`stream`, the watchdog deadline armed for
+    the head still runs; :meth:`read` reads a small body within it,
+    :meth:`stream` hands a payload to the caller's own rate guard.
+    """
+
+    def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse, deadline: Deadline,
+                 watchdog: Watchdog, what: str):
         self.conn, self.resp = conn, resp
         self.status = resp.status
         self.headers = resp.headers
+        self._deadline, self._watchdog, self._what = deadline, watchdog, what
 
     def read(self, limit: int) -> bytes:
-        """The whole body, at most ``limit`` bytes.
+        """The whole body, at most ``limit`` bytes, within the deadline.
 
         Raises:
             FailedPrecondition: the body is larger.
+            Unavailable: it broke off, or did not arrive in time.
         """
         try:
-            data = self.resp.read(limit + 1)
-        except (OSError, http.client.HTTPException) as exc:
-            raise Unavailable(f"registry response broke off ({exc}); retry is safe") from None
-        if len(data) > limit:
-            raise FailedPrecondition(f"registry response of more than {limit} bytes")
-        declared = self.headers.get("Content-Length")
-        # http.client returns a short body without complaint when the
-        # connection closes early: the declared length tells.
-        if declared is not None and declared.isdigit() and int(declared) != len(data):
-            raise Unavailable(f"registry response truncated: {len(data)} of {declared} bytes; retry is safe")
-        return data
+            return read_capped(self.resp, limit, what=self._what)
+        except Unavailable:
+            if self._deadline.expired:
+                raise Unavailable(f"{self._what}: the answer did not arrive within {self._deadline.seconds:g} s "
+                                  "([remote] timeout_s); retry is safe") from None
+            raise
+        finally:
+            self._watchdog.disarm(self._deadline)
+
+    def stream(self) -> http.client.HTTPResponse:
+        """The body for the caller to stream (a layer): the deadline ends
+        here; each read is bounded by the socket timeout and the caller's
+        minimum rate."""
+        self._watchdog.disarm(self._deadline)
+        return self.resp
 
     def __enter__(self) -> "Response":
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._watchdog.disarm(self._deadline)
         self.conn.close()
+
+
+class _Fixed:
+    """Credentials given as a value (tests, tools): never re-read."""
+
+    def __init__(self, credentials: Credentials | None):
+        self._credentials = credentials
+
+    def get(self) -> Credentials | None:
+        return self._credentials
+
+    def reload(self) -> bool:
+        return False
+
+
+class CredentialsOf(Protocol):
+    """Where a client's credentials come from (:class:`CredentialSource`)."""
+
+    def get(self) -> Credentials | None: ...
+
+    def reload(self) -> bool: ...
 
 
 class RegistryClient:
@@ -192,16 +158,24 @@ class RegistryClient:
         insecure: plain HTTP (for a loopback registry); else HTTPS.
         ca_file: PEM bundle that verifies the registry's certificate ("" =
             the system store).
-        credentials: (user, password) for basic auth or the token request.
-        timeout: seconds a connect or a read may take.
+        credentials: (user, password) for basic auth or the token request;
+            or a source that re-reads them (:class:`CredentialSource`).
+        timeout: seconds a connect, one read, a response head or a small
+            answer may take.
+        token_realms: origins (``https://auth.example``) besides the
+            registry's own that may issue its tokens.
     """
 
     def __init__(self, host: str, *, insecure: bool = False, ca_file: str = "",
-                 credentials: tuple[str, str] | None = None, timeout: float = 30.0):
+                 credentials: Credentials | CredentialsOf | None = None, timeout: float = 30.0,
+                 token_realms: Sequence[str] = ()):
         self.host = host
         self.insecure = insecure
         self.timeout = timeout
-        self._credentials = credentials
+        self.origin: Origin = ("http" if insecure else "https", host.lower())
+        self._source: CredentialsOf = (credentials if credentials is not None and not isinstance(credentials, tuple)
+                                       else _Fixed(credentials))
+        self._realms = frozenset(parse_origin(r, what="[remote] token_realms entry") for r in token_realms)
         self._ca_file = ca_file
         try:
             self._ssl = None if insecure else ssl.create_default_context(cafile=ca_file or None)
@@ -210,25 +184,57 @@ class RegistryClient:
                                   "give the CA certificate that signed the registry's certificate") from None
         self._lock = threading.Lock()
         self._auth: dict[str, str] = {}  # scope -> Authorization header value
+        self._watchdog = Watchdog()
 
     # -- plumbing --------------------------------------------------------------
 
-    def _connect(self, host: str, https: bool) -> http.client.HTTPConnection:
-        if https:
-            return http.client.HTTPSConnection(host, timeout=self.timeout, context=self._ssl, blocksize=IO_BYTES)
+    def _connect(self, origin: Origin) -> http.client.HTTPConnection:
+        scheme, host = origin
+        if scheme == "https":
+            # An https origin other than the registry (object storage, a token
+            # realm) is verified against the same trust, never skipped.
+            ctx = self._ssl or ssl.create_default_context(cafile=self._ca_file or None)
+            return http.client.HTTPSConnection(host, timeout=self.timeout, context=ctx, blocksize=IO_BYTES)
         return http.client.HTTPConnection(host, timeout=self.timeout, blocksize=IO_BYTES)
 
     def _basic(self) -> str:
-        if self._credentials is None:
+        creds = self._source.get()
+        if creds is None:
             return ""
-        user, password = self._credentials
+        user, password = creds
         return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+    def _send(self, method: str, origin: Origin, target: str, body: Body | None, headers: Mapping[str, str],
+              what: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, Deadline]:
+        """One request; the head must arrive within ``timeout`` (watchdog)."""
+        conn = self._connect(origin)
+        deadline = Deadline(None, self.timeout)
+        try:
+            conn.request(method, target, body=body, headers=dict(headers))
+            # Armed after the body went out: an upload takes as long as its
+            # bytes take; the answer's head must then come in time.
+            deadline = self._watchdog.arm(conn, self.timeout)
+            return conn, conn.getresponse(), deadline
+        except (OSError, http.client.HTTPException) as exc:
+            self._watchdog.disarm(deadline)
+            conn.close()
+            if deadline.expired:
+                raise Unavailable(f"{what}: registry {origin[1]} sent no complete answer within {self.timeout:g} s "
+                                  "([remote] timeout_s); retry is safe") from None
+            raise connect_error(exc, what, origin[1], self._ca_file) from None
+
+    def _close(self, conn: http.client.HTTPConnection, deadline: Deadline) -> None:
+        """Ends a request without reading its body (a 401, a redirect, an
+        error: their bodies are the sender's choice of size)."""
+        self._watchdog.disarm(deadline)
+        conn.close()
 
     def request(self, method: str, path: str, *, scope: str, headers: Mapping[str, str] | None = None,
                 body: Body | None = None, length: int | None = None, redirects: bool = False,
                 ok: tuple[int, ...] = (200,), what: str = "") -> Response:
-        """Sends one request, answering an auth challenge once and following
-        redirects when asked; returns a response whose status is in ``ok``.
+        """Sends one request, answering an auth challenge once (again after
+        the credentials file changed) and following redirects when asked;
+        returns a response whose status is in ``ok``.
 
         Args:
             path: absolute path (``/v2/...``) or, after a Location, a full URL.
@@ -244,96 +250,118 @@ class RegistryClient:
         """
         what = what or f"{method} {self.host}{path.split('?')[0]}"
         url = urllib.parse.urlsplit(path)
-        host, https = (url.netloc, url.scheme == "https") if url.netloc else (self.host, not self.insecure)
+        origin = (url.scheme, url.netloc.lower()) if url.netloc else self.origin
         target = urllib.parse.urlunsplit(("", "", url.path, url.query, "")) if url.netloc else path
         hdrs = dict(headers or {})
         if body is not None:
             hdrs["Content-Length"] = str(len(body) if isinstance(body, bytes) else int(length or 0))
-        challenged = False
-        for _ in range(_MAX_REDIRECTS + 2):
-            if host == self.host:
+        answers = 0  # challenges answered: once, and once more after a rotation of the credentials
+        for _ in range(_MAX_REDIRECTS + 3):
+            hdrs.pop("Authorization", None)
+            if origin == self.origin:  # credentials never go to another origin
                 with self._lock:
                     auth = self._auth.get(scope, "")
                 if auth:
                     hdrs["Authorization"] = auth
-            else:
-                hdrs.pop("Authorization", None)  # never send our credentials to another host
-            conn = self._connect(host, https)
-            try:
-                conn.request(method, target, body=body, headers=hdrs)
-                resp = conn.getresponse()
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                raise _connect_error(exc, what, host, self._ca_file) from None
-            if resp.status == 401 and not challenged and host == self.host:
+            conn, resp, deadline = self._send(method, origin, target, body, hdrs, what)
+            if resp.status == 401 and origin == self.origin and answers < 2:
                 challenge = resp.headers.get("WWW-Authenticate", "")
-                resp.read()
-                conn.close()
+                self._close(conn, deadline)
                 if body is not None and not isinstance(body, bytes):
                     raise PermissionDenied(f"{what}: 401 on an upload; authenticate first")
+                if answers and not self._reloaded(what):
+                    raise status_error(401, what, "the credentials were refused")
                 self._answer(challenge, scope, what)
-                challenged = True
+                answers += 1
                 continue
-            if redirects and resp.status in (301, 302, 303, 307, 308) and resp.headers.get("Location"):
-                loc = urllib.parse.urljoin(f"{'https' if https else 'http'}://{host}{target}",
-                                           resp.headers["Location"])
-                resp.read()
-                conn.close()
-                nxt = urllib.parse.urlsplit(loc)
-                host, https = nxt.netloc, nxt.scheme == "https"
-                target = urllib.parse.urlunsplit(("", "", nxt.path, nxt.query, ""))
+            location = resp.headers.get("Location")
+            if redirects and resp.status in _REDIRECTS and location:
+                self._close(conn, deadline)
+                origin, target = redirect(origin, target, location, what)
                 continue
             if resp.status in ok:
-                return Response(conn, resp)
-            detail = resp.read(4096).decode("utf-8", "replace").strip()[:300]
-            conn.close()
-            raise _status_error(resp.status, what, detail)
+                return Response(conn, resp, deadline, self._watchdog, what)
+            text = detail(resp)
+            self._close(conn, deadline)
+            raise status_error(resp.status, what, text)
         raise FailedPrecondition(f"{what}: more than {_MAX_REDIRECTS} redirects")
+
+    def _reloaded(self, what: str) -> bool:
+        """After a refusal: True when the credentials file changed (rotated),
+        so answering the challenge again can help; the cached tokens go."""
+        if not self._source.reload():
+            return False
+        log.info("%s: the credentials were refused; the credentials file changed since, answering again", what)
+        with self._lock:
+            self._auth.clear()
+        return True
 
     def _answer(self, challenge: str, scope: str, what: str) -> None:
         """Answers a 401 challenge: basic credentials, or a bearer token."""
-        scheme, params = _challenge(challenge)
+        scheme, params = parse_challenge(challenge)
         if scheme == "basic":
-            if self._credentials is None:
+            if self._source.get() is None:
                 raise PermissionDenied(f"{what}: registry {self.host} wants credentials; set [remote] "
                                        "credentials_file (docker config.json)")
             value = self._basic()
         elif scheme == "bearer" and params.get("realm"):
-            value = "Bearer " + self._token(params, scope, what)
+            try:
+                value = "Bearer " + self._token(params, scope, what)
+            except PermissionDenied:
+                if not self._reloaded(what):
+                    raise
+                value = "Bearer " + self._token(params, scope, what)
         else:
-            raise PermissionDenied(f"{what}: unsupported authentication challenge {challenge!r}")
+            raise PermissionDenied(f"{what}: unsupported authentication challenge {challenge[:200]!r}")
         with self._lock:
             self._auth[scope] = value
+
+    def _realm(self, text: str, what: str) -> tuple[Origin, str]:
+        """The token realm's origin and path, if the daemon may ask it.
+
+        Raises:
+            PermissionDenied: another origin not listed in token_realms, or
+                a downgrade from https.
+        """
+        realm = urllib.parse.urlsplit(text)
+        origin = (realm.scheme, realm.netloc.lower())
+        if realm.scheme not in ("http", "https") or not realm.netloc or "@" in realm.netloc:
+            raise PermissionDenied(f"{what}: registry {self.host} names the token realm {untrusted(text)!s:.200}, "
+                                   "not an http(s) URL; refused")
+        if self.origin[0] == "https" and realm.scheme != "https":
+            raise PermissionDenied(f"{what}: registry {self.host} (https) names the plain-http token realm "
+                                   f"{realm.scheme}://{realm.netloc}; refused (credentials would go in clear)")
+        if origin != self.origin and origin not in self._realms:
+            raise PermissionDenied(
+                f"{what}: registry {self.host} sends the token request to {realm.scheme}://{realm.netloc}, "
+                "which is neither the registry itself nor in [remote] token_realms; refused (add "
+                f"\"{realm.scheme}://{realm.netloc}\" to token_realms if that service issues its tokens)")
+        return origin, realm.path or "/"
 
     def _token(self, params: dict[str, str], scope: str, what: str) -> str:
         """The registry token flow: GET realm?service=…&scope=… (with basic
         credentials when configured), answer {"token"} or {"access_token"}."""
+        origin, path = self._realm(params["realm"], what)
         query = {"scope": params.get("scope") or scope}
         if params.get("service"):
             query["service"] = params["service"]
-        realm = urllib.parse.urlsplit(params["realm"])
-        target = f"{realm.path or '/'}?{urllib.parse.urlencode(query)}"
-        conn = self._connect(realm.netloc, realm.scheme == "https")
-        headers = {"Authorization": self._basic()} if self._credentials else {}
-        try:
-            conn.request("GET", target, headers=headers)
-            resp = conn.getresponse()
-            body = resp.read(1 << 20)
-        except (OSError, http.client.HTTPException) as exc:
-            raise _connect_error(exc, f"{what}: token service", realm.netloc, self._ca_file) from None
-        finally:
-            conn.close()
-        if resp.status in (401, 403):
-            raise PermissionDenied(f"{what}: token service {realm.netloc} refused the credentials ({resp.status})")
-        if resp.status != 200:
-            raise _status_error(resp.status, f"{what}: token request", body[:300].decode("utf-8", "replace"))
+        target = f"{path}?{urllib.parse.urlencode(query)}"
+        headers = {"Authorization": self._basic()} if self._source.get() is not None else {}
+        service = f"{what}: token service {origin[1]}"
+        conn, resp, deadline = self._send("GET", origin, target, None, headers, service)
+        with Response(conn, resp, deadline, self._watchdog, service) as r:
+            if r.status in (401, 403):
+                raise PermissionDenied(f"{service} refused the credentials ({r.status})")
+            if r.status != 200:
+                raise status_error(r.status, f"{what}: token request", detail(resp))
+            body = r.read(TOKEN_BYTES)
         try:
             doc = json.loads(body)
             token = doc.get("token") or doc.get("access_token")
         except (ValueError, AttributeError):
             token = None
         if not isinstance(token, str) or not token:
-            raise PermissionDenied(f"{what}: token service {realm.netloc} answered no token")
+            raise PermissionDenied(f"{service} answered no token")
         return token
 
     # -- the API ----------------------------------------------------------------
@@ -353,10 +381,23 @@ class RegistryClient:
 
     def open_blob(self, repository: str, digest: str, *, offset: int = 0) -> Response:
         """GET of a blob from ``offset`` (a Range request when > 0); the
-        caller streams the body. The response is 206 for a range."""
+        caller streams the body. For a range the answer is 206 from
+        ``offset``, or 200 with the whole blob from a registry that ignores
+        ``Range`` (RFC 9110 lets it): the caller starts over then.
+
+        Raises:
+            FailedPrecondition: a 206 whose Content-Range does not start at
+                ``offset``. Others: as :meth:`request`.
+        """
         headers = {"Range": f"bytes={offset}-"} if offset else {}
-        return self.request("GET", f"/v2/{repository}/blobs/{digest}", scope=self._scope(repository),
-                            headers=headers, redirects=True, ok=(206,) if offset else (200,))
+        r = self.request("GET", f"/v2/{repository}/blobs/{digest}", scope=self._scope(repository),
+                         headers=headers, redirects=True, ok=(200, 206) if offset else (200,))
+        if r.status == 206 and not r.headers.get("Content-Range", "").startswith(f"bytes {offset}-"):
+            got = r.headers.get("Content-Range", "")
+            r.__exit__()
+            raise FailedPrecondition(f"blob {digest[:19]} from {self.host}: asked for bytes {offset}-, the registry "
+                                     f"answered the range {untrusted(got)!s:.100}")
+        return r
 
     def get_manifest(self, repository: str, reference: str, *, limit: int) -> tuple[bytes, str]:
         """(body, Content-Type) of a manifest by tag or digest."""
@@ -412,6 +453,44 @@ class RegistryClient:
                           what=f"manifest {self.host}/{repository}:{tag}") as r:
             return r.headers.get("Docker-Content-Digest", "")
 
+    # -- referrers (OCI distribution spec 1.1; hwr_server.remote.signatures) -----
+
+    def referrers(self, repository: str, digest: str, *, artifact_type: str, limit: int) -> bytes | None:
+        """The image index of the manifests whose ``subject`` is ``digest``
+        (``GET /v2/<name>/referrers/<digest>``, filtered by artifact type
+        where the registry filters), at most ``limit`` bytes; None when the
+        registry has no referrers API (404: the spec forbids a 404 from a
+        registry that has it), so the caller reads the fallback tag."""
+        query = urllib.parse.urlencode({"artifactType": artifact_type})
+        try:
+            with self.request("GET", f"/v2/{repository}/referrers/{digest}?{query}", scope=self._scope(repository),
+                              headers={"Accept": "application/vnd.oci.image.index.v1+json"},
+                              what=f"referrers of {self.host}/{repository}@{digest[:19]}") as r:
+                return r.read(limit)
+        except NotFound:
+            return None
+
+    def get_index(self, repository: str, tag: str, *, limit: int) -> bytes | None:
+        """An image index by tag (the referrers tag schema), at most
+        ``limit`` bytes; None when there is no such tag."""
+        try:
+            with self.request("GET", f"/v2/{repository}/manifests/{tag}", scope=self._scope(repository),
+                              headers={"Accept": "application/vnd.oci.image.index.v1+json"},
+                              what=f"index {self.host}/{repository}:{tag}") as r:
+                return r.read(limit)
+        except NotFound:
+            return None
+
+    def put_referrer(self, repository: str, data: bytes, media_type: str) -> bool:
+        """PUT of a manifest with a ``subject`` by its own digest; True when
+        the registry indexed it for the referrers API (it answers
+        ``OCI-Subject``), False when the caller must update the fallback tag."""
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        with self.request("PUT", f"/v2/{repository}/manifests/{digest}", scope=self._scope(repository, push=True),
+                          body=data, headers={"Content-Type": media_type}, ok=(201,),
+                          what=f"manifest {self.host}/{repository}@{digest[:19]}") as r:
+            return bool(r.headers.get("OCI-Subject"))
+
 
 class _Counting:
     """A file wrapper that reports each block read (upload progress)."""
@@ -438,36 +517,19 @@ class _Slice:
         return data
 
 
-def _connect_error(exc: BaseException, what: str, host: str, ca_file: str) -> HwrError:
-    """A request that got no answer. A certificate the client cannot verify
-    is FAILED_PRECONDITION (a retry fails the same way until the
-    configuration changes); anything else is UNAVAILABLE (retry is safe)."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        trust = f"the CA file {ca_file}" if ca_file else "the system's CA store (no [remote] ca_file)"
-        return FailedPrecondition(
-            f"{what}: TLS verification of registry {host} failed against {trust}: "
-            f"{exc.verify_message or exc.reason or exc}; set [remote] ca_file to the CA that signed its "
-            "certificate (insecure = true is plain HTTP, for a loopback registry only)")
-    return Unavailable(f"{what}: registry {host} unreachable ({exc}); retry when it is up")
+def client_for(host: str, *, insecure: bool, ca_file: str, credentials_file: str, timeout: float = 30.0,
+               token_realms: Sequence[str] = ()) -> RegistryClient:
+    """A client for ``host`` with the credentials the file holds for it
+    (re-read when it changes).
+
+    Raises:
+        FailedPrecondition / InvalidArgument: the credentials file
+            (:mod:`hwr_server.remote.credentials`), the CA file, a realm.
+    """
+    source = CredentialSource(credentials_file, host) if credentials_file else None
+    return RegistryClient(host, insecure=insecure, ca_file=ca_file, credentials=source, timeout=timeout,
+                          token_realms=token_realms)
 
 
-def _status_error(status: int, what: str, detail: str) -> HwrError:
-    text = f"{what}: registry answered {status}" + (f" ({detail})" if detail else "")
-    if status in (401, 403):
-        return PermissionDenied(text + "; check [remote] credentials_file")
-    if status == 404:
-        return NotFound(text)
-    if status in (408, 429) or status >= 500:
-        return Unavailable(text + "; retry later")
-    return FailedPrecondition(text)
-
-
-def client_for(host: str, *, insecure: bool, ca_file: str, credentials_file: str,
-               timeout: float = 30.0) -> RegistryClient:
-    """A client for ``host`` with the credentials the file holds for it."""
-    creds = load_credentials(credentials_file, host) if credentials_file else None
-    return RegistryClient(host, insecure=insecure, ca_file=ca_file, credentials=creds, timeout=timeout)
-
-
-__all__ = ["Reference", "RegistryClient", "Response", "client_for", "load_credentials",
+__all__ = ["Reference", "RegistryClient", "Response", "client_for", "load_credentials", "parse_origin",
            "parse_reference"]

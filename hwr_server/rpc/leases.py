@@ -13,8 +13,10 @@ import grpc
 
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.digests import check_label_text
-from hwr_client.core.errors import InvalidArgument
+from hwr_client.core.errors import InvalidArgument, NotFound
 from hwr_server.access.peers import peer_of
+from hwr_server.access.publisher import Publisher
+from hwr_server.access.views import viewer_of
 from hwr_server.leases.manager import LeaseInfo
 
 if TYPE_CHECKING:
@@ -79,13 +81,36 @@ def session(c: Components, requests: Iterator[pb.SessionRequest], context: grpc.
         leases.end_session(sid, reason="stream ended")
 
 
+def trusted_publisher(c: Components, key: str, context: grpc.ServicerContext) -> Publisher:
+    """The publisher of ``key`` if the caller trusts it (README "Trust").
+
+    Raises:
+        InvalidArgument / NotFound / FailedPrecondition: as ``Store.get``.
+        UntrustedPublisher: naming the publisher and the caller.
+    """
+    publisher = c.store.publisher(key)
+    if publisher is None:
+        c.store.get(key)  # raises: malformed, not published or quarantined
+        raise NotFound(f"artifact {key[:12]}: removed while being looked up")
+    c.trust.check(peer_of(context), key, publisher)
+    return publisher
+
+
 def acquire(c: Components, request: pb.AcquireLeaseRequest, context: grpc.ServicerContext) -> pb.AcquireLeaseReply:
-    """Pins an artifact for the calling session; see LeaseManager.acquire."""
+    """Pins an artifact the caller trusts for the calling session; see
+    LeaseManager.acquire."""
     if not request.session_id:
         raise InvalidArgument("AcquireLease: session_id is empty; open a session first")
+    publisher = trusted_publisher(c, request.key, context)
     grant = c.leases.acquire(request.session_id, request.key)
+    # Records are unique per commit: the same record after the grant means
+    # the grant's manifest is the artifact whose publisher was checked
+    # (not one deleted and published again in between).
+    if c.store.publisher(request.key) != publisher:
+        c.leases.release(request.session_id, grant.lease_id)
+        raise NotFound(f"artifact {request.key[:12]}: replaced while the lease was being granted; look it up again")
     return pb.AcquireLeaseReply(lease_id=grant.lease_id, manifest_json=grant.manifest_json,
-                                blob_paths=list(grant.blob_paths))
+                                blob_paths=list(grant.blob_paths), publisher=publisher.to_proto())
 
 
 def release(c: Components, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext) -> pb.ReleaseLeaseReply:
@@ -99,6 +124,9 @@ def lease_info_pb(info: LeaseInfo) -> pb.LeaseInfo:
                         client_name=info.client_name, acquired_unix=info.acquired_unix, state=info.state)
 
 
-def list_leases(c: Components, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesReply:
-    """Every lease, attached or awaiting re-attach, by acquisition time."""
-    return pb.ListLeasesReply(leases=[lease_info_pb(i) for i in c.leases.list()])
+def list_leases(c: Components, request: pb.ListLeasesRequest, context: grpc.ServicerContext, *,
+                admin: bool) -> pb.ListLeasesReply:
+    """Every lease, attached or awaiting re-attach, by acquisition time; on
+    the runtime socket only the caller's own (:mod:`hwr_server.access.views`)."""
+    viewer = viewer_of(context, admin=admin)
+    return pb.ListLeasesReply(leases=[lease_info_pb(i) for i in c.leases.list() if viewer.sees_process(i.pid)])

@@ -10,7 +10,8 @@ validate the request, call the component, and build the reply; they raise
 The same two servicer classes serve both sockets; on the runtime socket
 (``admin=False``) the mutating admin calls answer PERMISSION_DENIED.
 
-Every client stream (Session, Publish) passes the socket's
+Every client stream (Session, Publish), and PullOnMiss (one request, but a
+reply stream that holds its thread for the whole pull), passes the socket's
 :class:`~hwr_server.access.admission.StreamAdmission` at handler entry, before its
 first message is read: over its peer's cap or the socket's total it answers
 RESOURCE_EXHAUSTED at once, and a stream whose first message does not come
@@ -26,9 +27,12 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.core.errors import HwrError, InvalidArgument, PermissionDenied, Unavailable, status_code_of
+from hwr_client.core.errors import (
+    REASON_METADATA, HwrError, InvalidArgument, PermissionDenied, Unavailable, status_code_of,
+)
 from hwr_server.access import peers
 from hwr_server.access.admission import StreamAdmission
+from hwr_server.logtext import untrusted
 from hwr_server.rpc import gc as rpc_gc
 from hwr_server.rpc import leases as rpc_leases
 from hwr_server.rpc import registration as rpc_registration
@@ -46,9 +50,10 @@ log = logging.getLogger(__name__)
 MUTATING_ADMIN_RPCS = frozenset({"DeleteArtifact", "CollectGarbage", "VerifyArtifact", "ForgetSource", "Push", "Pull"})
 
 #: A handler: (components, request or request iterator, context) -> reply,
-#: or an iterator of replies for a streaming rpc. Requests and replies are
-#: protobuf messages of many types; the handlers' own signatures name them.
-Handler = Callable[["Components", Any, grpc.ServicerContext], Any]
+#: or an iterator of replies for a streaming rpc; a scoped one also takes
+#: ``admin=`` (see _handler). Requests and replies are protobuf messages of
+#: many types; the handlers' own signatures name them.
+Handler = Callable[..., Any]
 
 
 class _Undecodable:
@@ -116,16 +121,23 @@ class _TolerantServer:
 
 def _abort(context: grpc.ServicerContext, rpc: str, exc: BaseException) -> None:
     if isinstance(exc, HwrError):
-        log.info("%s failed: %s: %s", rpc, type(exc).__name__, exc)
+        log.info("%s failed: %s: %s", rpc, type(exc).__name__, untrusted(exc))
+        if exc.reason:
+            # The client turns it back into the same subclass (from_rpc_error).
+            context.set_trailing_metadata(((REASON_METADATA, exc.reason),))
         context.abort(status_code_of(exc), str(exc))
     log.exception("%s failed with an unexpected error", rpc)
     context.abort(grpc.StatusCode.INTERNAL, f"{rpc}: internal error: {type(exc).__name__}: {exc}")
 
 
-def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool = False) -> Callable[..., Any]:
+def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool = False,
+             admitted: bool = False, scoped: bool = False) -> Callable[..., Any]:
     """Builds the servicer method of ``rpc`` that calls ``func``: a client
     stream with ``streaming``, one request and a reply stream with
-    ``replies`` (the transfers), else unary."""
+    ``replies`` (the transfers; ``admitted``: counted by the socket's stream
+    admission like a client stream), else unary. A ``scoped`` unary handler
+    is told which socket it serves (``admin=``): its answer depends on the
+    caller there (:mod:`hwr_server.access.views`)."""
     mutating = rpc in MUTATING_ADMIN_RPCS
 
     def check(self: _Base) -> None:
@@ -159,7 +171,13 @@ def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool 
         def reply_stream(self: _Base, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
                 check(self)
-                yield from func(self.components, _decoded(rpc, request), context)
+                if not admitted:
+                    yield from func(self.components, _decoded(rpc, request), context)
+                    return
+                # Holds a server thread for as long as the transfer runs, like
+                # a client stream: counted against the same caps, at entry.
+                with self.admission.admitted(peers.peer_of(context), rpc, context):
+                    yield from func(self.components, _decoded(rpc, request), context)
             except Exception as exc:  # noqa: BLE001 - translated, never swallowed
                 if isinstance(exc, grpc.RpcError) or context.code() is not None:
                     raise
@@ -171,6 +189,8 @@ def _handler(func: Handler, rpc: str, *, streaming: bool = False, replies: bool 
     def unary(self: _Base, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             check(self)
+            if scoped:
+                return func(self.components, _decoded(rpc, request), context, admin=self.admin)
             return func(self.components, _decoded(rpc, request), context)
         except Exception as exc:  # noqa: BLE001 - translated, never swallowed
             # context.abort raises an Exception subclass; let it through.
@@ -213,20 +233,20 @@ class RuntimeServicer(_Base, pb_grpc.RuntimeServicer):
     AdmitRegistration = _handler(rpc_registration.admit, "AdmitRegistration")
     ReportRegistrationChunk = _handler(rpc_registration.report_chunk, "ReportRegistrationChunk")
     ReleaseRegistration = _handler(rpc_registration.release, "ReleaseRegistration")
-    PullOnMiss = _handler(rpc_remote.pull_on_miss, "PullOnMiss", replies=True)
+    PullOnMiss = _handler(rpc_remote.pull_on_miss, "PullOnMiss", replies=True, admitted=True)
 
 
 class AdminServicer(_Base, pb_grpc.AdminServicer):
     """hwr.v1.Admin: what operators call; mutating calls only on the admin socket."""
 
-    ListArtifacts = _handler(rpc_store.list_artifacts, "ListArtifacts")
-    InspectArtifact = _handler(rpc_store.inspect, "InspectArtifact")
+    ListArtifacts = _handler(rpc_store.list_artifacts, "ListArtifacts", scoped=True)
+    InspectArtifact = _handler(rpc_store.inspect, "InspectArtifact", scoped=True)
     VerifyArtifact = _handler(rpc_store.verify, "VerifyArtifact")
     DeleteArtifact = _handler(rpc_store.delete, "DeleteArtifact")
-    ListLeases = _handler(rpc_leases.list_leases, "ListLeases")
+    ListLeases = _handler(rpc_leases.list_leases, "ListLeases", scoped=True)
     CollectGarbage = _handler(rpc_gc.collect, "CollectGarbage")
     GetStats = _handler(rpc_stats.get_stats, "GetStats")
-    ListSources = _handler(rpc_sources.list_records, "ListSources")
+    ListSources = _handler(rpc_sources.list_records, "ListSources", scoped=True)
     ForgetSource = _handler(rpc_sources.forget, "ForgetSource")
     Push = _handler(rpc_remote.push, "Push", replies=True)
     Pull = _handler(rpc_remote.pull, "Pull", replies=True)

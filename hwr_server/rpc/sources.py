@@ -15,8 +15,10 @@ import grpc
 
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.digests import check_path_text
-from hwr_client.core.errors import InvalidArgument, ResourceExhausted
+from hwr_client.core.errors import HwrError, InvalidArgument, ResourceExhausted
 from hwr_server.access.peers import peer_of
+from hwr_server.access.views import Viewer, viewer_of
+from hwr_server.sources.cache import FileState, SourceRecordRow
 
 if TYPE_CHECKING:
     from hwr_server.components import Components
@@ -54,13 +56,17 @@ def resolve(c: Components, request: pb.ResolveSourcesRequest, context: grpc.Serv
     )
 
 
-def list_records(c: Components, request: pb.ListSourcesRequest, context: grpc.ServicerContext) -> pb.ListSourcesReply:
-    """ListSources: every valid cache record, sorted by path.
+def list_records(c: Components, request: pb.ListSourcesRequest, context: grpc.ServicerContext, *,
+                 admin: bool) -> pb.ListSourcesReply:
+    """ListSources: every valid cache record, sorted by path; on the runtime
+    socket only those of files the caller could read itself
+    (:mod:`hwr_server.access.views`).
 
     Raises:
         Unavailable: the cache database cannot be read now.
     """
-    records = c.sources.list_records()
+    viewer = viewer_of(context, admin=admin)
+    records = [r for r in c.sources.list_records() if _shown(c, viewer, r)]
     return pb.ListSourcesReply(
         records=[
             pb.SourceRecord(
@@ -70,6 +76,18 @@ def list_records(c: Components, request: pb.ListSourcesRequest, context: grpc.Se
             for r in records
         ]
     )
+
+
+def _shown(c: Components, viewer: Viewer, record: SourceRecordRow) -> bool:
+    """Whether ``viewer`` may see ``record``: it sees everything, or
+    ResolveSources would answer it for this very file now."""
+    if viewer.everything:
+        return True
+    try:
+        _, st, real = c.sources.access.check(record.path, viewer.peer)
+    except HwrError:
+        return False  # refused, missing or moved: nothing about it is shown
+    return FileState.of(st, real) == record.state
 
 
 def forget(c: Components, request: pb.ForgetSourceRequest, context: grpc.ServicerContext) -> pb.ForgetSourceReply:

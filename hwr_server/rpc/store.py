@@ -8,6 +8,8 @@ translates to status codes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import TYPE_CHECKING, Iterator
 
@@ -17,9 +19,11 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from hwr_client.core.identity import check_key
 from hwr_server.access.peers import peer_of
+from hwr_server.access.views import Viewer, viewer_of
+from hwr_server.logtext import untrusted
 from hwr_server.publish.limits import RequestPump
 from hwr_server.publish.publication import Publication
-from hwr_server.rpc.leases import lease_info_pb
+from hwr_server.rpc.leases import lease_info_pb, trusted_publisher
 from hwr_server.store.records import ArtifactSummary, summary_of
 
 if TYPE_CHECKING:
@@ -36,7 +40,10 @@ def publish(c: Components, requests: Iterator[pb.PublishRequest], context: grpc.
     `written` per staging file) → commit → committed.
 
     After the plan, each message must arrive within
-    ``config.publication_idle_s`` or the publication ends ABORTED.
+    ``config.publication_idle_s``, and the payload must come at
+    ``config.publication_min_bytes_per_s`` (chunk bytes; on the handoff
+    transport the bytes `written` reports, :meth:`Publication.reported_bytes`),
+    or the publication ends ABORTED.
 
     Raises:
         InvalidArgument: no plan first, bad plan, bad chunk, stream ended early.
@@ -48,7 +55,8 @@ def publish(c: Components, requests: Iterator[pb.PublishRequest], context: grpc.
     if first is None or first.WhichOneof("kind") != "plan":
         raise InvalidArgument("publish: the first message must be a plan")
     pub = Publication.begin(store, first.plan, peer=peer_of(context), is_active=context.is_active, handoff=c.handoff)
-    pump = RequestPump(requests, idle_s=float(store.config.publication_idle_s), what=f"publication {pub.pub_id}")
+    pump = RequestPump(requests, idle_s=float(store.config.publication_idle_s), what=f"publication {pub.pub_id}",
+                       min_bytes_per_s=float(store.config.publication_min_bytes_per_s), size_of=pub.reported_bytes)
     try:
         yield pb.PublishEvent(accepted=pub.accepted())
         while (req := pump.next()) is not None:
@@ -80,8 +88,11 @@ def publish(c: Components, requests: Iterator[pb.PublishRequest], context: grpc.
 
 
 def lookup(c: Components, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
-    """The stored manifest of a published key (NotFound / FailedPrecondition otherwise)."""
-    return pb.LookupReply(manifest_json=c.store.manifest_json(check_key(request.key)))
+    """The stored manifest of a published key whose publisher the caller
+    trusts (NotFound / FailedPrecondition / UntrustedPublisher otherwise)."""
+    key = check_key(request.key)
+    publisher = trusted_publisher(c, key, context)
+    return pb.LookupReply(manifest_json=c.store.manifest_json(key), publisher=publisher.to_proto())
 
 
 def report_corruption(c: Components, request: pb.ReportCorruptionRequest, context: grpc.ServicerContext
@@ -94,7 +105,7 @@ def report_corruption(c: Components, request: pb.ReportCorruptionRequest, contex
     ago answers for it.
     """
     key = check_key(request.key)
-    log.warning("client reports corruption of %s: %s", key[:12], request.detail[:200])
+    log.warning("client reports corruption of %s: %s", key[:12], untrusted(request.detail[:200]))
     outcome = c.store.reports.report(key)
     return pb.ReportCorruptionReply(quarantined=outcome.quarantined, problems=list(outcome.problems))
 
@@ -102,39 +113,48 @@ def report_corruption(c: Components, request: pb.ReportCorruptionRequest, contex
 # -- admin --------------------------------------------------------------------
 
 
-def _summary_proto(c: Components, s: ArtifactSummary) -> pb.ArtifactSummary:
-    count, last = 0, 0
+def _summary_proto(c: Components, s: ArtifactSummary, viewer: Viewer) -> pb.ArtifactSummary:
+    count, last, publisher = 0, 0, None
     if s.state == "published":
-        count = len(c.leases.holders(s.key))
-        last = int(c.leases.last_leased(s.key))
+        count = sum(1 for h in c.leases.holders(s.key) if viewer.sees_process(h.pid))
+        last = int(c.leases.last_leased(s.key)) if viewer.everything else 0
+        pub = c.store.publisher(s.key)
+        if pub is not None and not viewer.everything and pub.uid != viewer.peer.uid:
+            # Another user's process is theirs to know; the uid stays (it is
+            # what the trust rule decides by).
+            pub = dataclasses.replace(pub, pid=None, program="")
+        publisher = pub.to_proto() if pub is not None else None
     return pb.ArtifactSummary(
         key=s.key, state=s.state, contract_name=s.contract_name, contract_version=s.contract_version,
         producer_id=s.producer_id, producer_version=s.producer_version, size_bytes=s.size_bytes,
         file_count=s.file_count, tensor_count=s.tensor_count, block_count=s.block_count, created_unix=s.created_unix,
-        lease_count=count, last_leased_unix=last, reason=s.reason,
+        lease_count=count, last_leased_unix=last, reason=s.reason, publisher=publisher,
     )
 
 
-def list_artifacts(c: Components, request: pb.ListArtifactsRequest, context: grpc.ServicerContext
-                   ) -> pb.ListArtifactsReply:
-    """Every published and quarantined artifact, with its lease figures."""
-    return pb.ListArtifactsReply(artifacts=[_summary_proto(c, s) for s in c.store.summaries()])
+def list_artifacts(c: Components, request: pb.ListArtifactsRequest, context: grpc.ServicerContext, *,
+                   admin: bool) -> pb.ListArtifactsReply:
+    """Every published and quarantined artifact, with its lease figures (on
+    the runtime socket, the caller's own: :mod:`hwr_server.access.views`)."""
+    viewer = viewer_of(context, admin=admin)
+    return pb.ListArtifactsReply(artifacts=[_summary_proto(c, s, viewer) for s in c.store.summaries()])
 
 
-def inspect(c: Components, request: pb.InspectArtifactRequest, context: grpc.ServicerContext
-            ) -> pb.InspectArtifactReply:
+def inspect(c: Components, request: pb.InspectArtifactRequest, context: grpc.ServicerContext, *,
+            admin: bool) -> pb.InspectArtifactReply:
     """Summary, stored manifest and lease holders of one artifact (published
-    or quarantined)."""
+    or quarantined); on the runtime socket only the caller's own holders."""
+    viewer = viewer_of(context, admin=admin)
     store = c.store
     key = check_key(request.key)
     q = store.quarantined(key)
     if store.contains(key) or q is None:
         manifest, _ = store.get(key)  # NotFound when neither published nor quarantined
         return pb.InspectArtifactReply(
-            summary=_summary_proto(c, summary_of(manifest)), manifest_json=store.manifest_json(key),
-            leases=[lease_info_pb(h) for h in c.leases.holders(key)],
+            summary=_summary_proto(c, summary_of(manifest), viewer), manifest_json=store.manifest_json(key),
+            leases=[lease_info_pb(h) for h in c.leases.holders(key) if viewer.sees_process(h.pid)],
         )
-    return pb.InspectArtifactReply(summary=_summary_proto(c, q), manifest_json="")
+    return pb.InspectArtifactReply(summary=_summary_proto(c, q, viewer), manifest_json="")
 
 
 def verify(c: Components, request: pb.VerifyArtifactRequest, context: grpc.ServicerContext) -> pb.VerifyArtifactReply:

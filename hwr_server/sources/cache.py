@@ -51,6 +51,7 @@ from hwr_client.core.digests import (
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hwr_server import db
 from hwr_server.access.peers import ANONYMOUS, Peer
+from hwr_server.logtext import untrusted
 from hwr_server.sources.access import SourceAccess
 
 log = logging.getLogger(__name__)
@@ -392,7 +393,7 @@ class SourceCache:
         :data:`RACY_WINDOW_NS` before ``t0`` (the moment hashing began)."""
         age = t0 - max(state.mtime_ns, state.ctime_ns)
         if age < self.racy_window_ns:
-            log.debug("source %s: modified %d ns before hashing; not recorded yet (racy)", path, age)
+            log.debug("source %s: modified %d ns before hashing; not recorded yet (racy)", untrusted(path), age)
             return
         self._store(SourceRecordRow.new(path, state, content_id_of(hex_digest)))
 
@@ -450,7 +451,7 @@ class SourceCache:
         except (TypeError, ValueError):
             record = None
         if record is None or record.path != path:
-            log.warning("source cache: record of %s is corrupt (bad field or checksum); re-hashing", path)
+            log.warning("source cache: record of %s is corrupt (bad field or checksum); re-hashing", untrusted(path))
             with self._lock:
                 self.db_errors += 1
             return None

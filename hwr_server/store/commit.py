@@ -8,7 +8,8 @@ The commit (:func:`publish`), in the durability order:
   1. fsync every payload file (the publication's background fsyncs finish);
   2. move the payloads into blobs/ (or drop those whose intact blob exists),
      fsync blobs/;
-  3. write and fsync manifest.json, fsync its directory;
+  3. write and fsync manifest.json and publisher.json (who published it,
+     :mod:`hwr_server.access.publisher`), fsync their directory;
   4. rename the artifact directory into artifacts/ (the publish point);
   5. fsync artifacts/;
   6. add the artifact to the index;
@@ -45,6 +46,7 @@ from typing import Callable, Sequence
 from hwr_client.core.errors import NotFound, ResourceExhausted
 from hwr_client.core.manifest import Manifest
 from hwr_server import failpoints
+from hwr_server.access.publisher import PUBLISHER_FILE, Publisher
 from hwr_server.interfaces import SequenceStore
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,8 @@ class Staged:
     sync: Callable[[], None]
 
 
-def publish(store: SequenceStore, staged: Staged, manifest: Manifest, moved: list[str]) -> str:
+def publish(store: SequenceStore, staged: Staged, manifest: Manifest, moved: list[str], *,
+            publisher: Publisher) -> str:
     """The commit: makes a staged artifact durable, then visible (steps in the
     module docstring).
 
@@ -106,6 +109,8 @@ def publish(store: SequenceStore, staged: Staged, manifest: Manifest, moved: lis
         manifest: its manifest, built from the digests just computed.
         moved: receives each blob this commit moved into blobs/, as it moves
             it, so that a failure before the publish point can unlink them.
+        publisher: who publishes it (the daemon's record, stored next to
+            the manifest and indexed with it).
 
     Returns:
         The manifest.json text as stored.
@@ -124,11 +129,13 @@ def publish(store: SequenceStore, staged: Staged, manifest: Manifest, moved: lis
         if store.install_blob(key, path, f.blob, f.size):
             moved.append(f.blob)
     fsync_dir(store.blobs_dir)
-    # 3. Manifest written and fsynced before the rename publishes it; then its
-    #    directory, whose entry must survive the rename.
+    # 3. Manifest and publisher record written and fsynced before the rename
+    #    publishes them together (an artifact never appears without its
+    #    publisher); then their directory, whose entries must survive the rename.
     failpoints.hit("commit.write_manifest")
     text = manifest.to_json()
     _write_new(os.path.join(staged.directory, MANIFEST), text.encode("utf-8"))
+    _write_new(os.path.join(staged.directory, PUBLISHER_FILE), publisher.to_json())
     fsync_dir(staged.directory)
     # Under the store's lock: no quarantine or delete can see artifacts/<key>
     # before the index says it is published.
@@ -148,7 +155,7 @@ def publish(store: SequenceStore, staged: Staged, manifest: Manifest, moved: lis
                       "next sync may lose it, which a restart then reports as absent", key, exc)
         # 6. The index: lookups and leases see it from now on.
         failpoints.hit("commit.update_index")
-        store.index_published(key, manifest)
+        store.index_published(key, manifest, publisher)
     # 7. The caller replies only after this returns.
     failpoints.hit("commit.reply")
     return text

@@ -30,6 +30,7 @@ from hwr_client.core.errors import Aborted, FailedPrecondition, InvalidArgument,
 from hwr_client.core.identity import check_key
 from hwr_client.core.manifest import Manifest
 from hwr_server.access.files import Untrusted, read_stored
+from hwr_server.access.publisher import Publisher, read as read_publisher
 from hwr_server.access.shares import PeerShares
 from hwr_server.config import ServerConfig
 from hwr_server.interfaces import CapacityHook
@@ -74,6 +75,7 @@ class Store:
         self.capacity_hook: CapacityHook = self.default_capacity_hook
         self._lock = threading.RLock()
         self._index: dict[str, Manifest] = {}
+        self._publishers: dict[str, Publisher] = {}  # key -> who published it (README "Trust")
         self._quarantined: dict[str, ArtifactSummary] = {}
         self._publishing: dict[str, str] = {}  # key -> publication id (single flight)
         self._pending_blobs: dict[str, set[str]] = {}  # key -> blobs installed, manifest not yet visible
@@ -109,9 +111,11 @@ class Store:
         return self.last_recovery
 
     def load_index(self, manifests: dict[str, Manifest]) -> None:
-        """Replaces the index (recovery calls this after its checks)."""
+        """Replaces the index (recovery calls this after its checks), with the publisher records."""
+        pubs = {k: read_publisher(self.artifact_dir(k), key=k) for k in manifests}
         with self._lock:
             self._index = dict(manifests)
+            self._publishers = pubs
             self._quarantined = {s.key: s for s in self._scan_quarantine()}
 
     # -- reads ----------------------------------------------------------------
@@ -156,6 +160,11 @@ class Store:
     def contains(self, key: str) -> bool:
         with self._lock:
             return key in self._index
+
+    def publisher(self, key: str) -> Publisher | None:
+        """Who published ``key`` (indexed with its manifest: they change together); None if unpublished."""
+        with self._lock:
+            return self._publishers.get(key, Publisher("unrecorded")) if key in self._index else None
 
     def keys(self) -> list[str]:
         """Published keys, sorted."""
@@ -235,8 +244,8 @@ class Store:
     def default_capacity_hook(self, nbytes: int, *, evict: bool = True, who: str = "") -> None:
         """Refuses a publication of ``nbytes`` that would exceed
         ``config.capacity`` or the disk's free space. Never collects, so
-        ``evict`` and ``who`` (see :data:`~hwr_server.interfaces.CapacityHook`)
-        change nothing here.
+        ``evict`` (see :data:`~hwr_server.interfaces.CapacityHook`) changes
+        nothing here; ``who`` names the transfer in the refusal.
 
         Raises:
             ResourceExhausted: naming the figures and the fix.
@@ -253,8 +262,8 @@ class Store:
         margin = min(DISK_MARGIN_BYTES, st.f_blocks * st.f_frsize // 100)
         if nbytes + margin > free:
             raise ResourceExhausted(
-                f"store {self.root}: publication of {nbytes} bytes does not fit the disk's {free} free bytes "
-                f"(keeping {margin} spare); free disk space or run `hwr gc`"
+                f"store {self.root}: {who or 'publication'} of {nbytes} bytes does not fit the disk's {free} free "
+                f"bytes (keeping {margin} spare); free disk space or run `hwr gc`"
             )
 
     # -- publication support (used by hwr_server.publish.publication) -----------------
@@ -356,10 +365,11 @@ class Store:
         with self._lock:
             return set(self._bad_blobs)
 
-    def index_published(self, key: str, manifest: Manifest) -> None:
-        """Records a committed artifact (commit step 6)."""
+    def index_published(self, key: str, manifest: Manifest, publisher: Publisher) -> None:
+        """Records a committed artifact and who published it (commit step 6)."""
         with self._lock:
             self._index[key] = manifest
+            self._publishers[key] = publisher
             self._quarantined.pop(key, None)
             self._pending_blobs.pop(key, None)
 
@@ -369,6 +379,7 @@ class Store:
         ``quarantine_entry`` (with ``manifest`` when one was readable)."""
         with self._lock:
             self._index.pop(key, None)
+            self._publishers.pop(key, None)
             if quarantine_entry:
                 self._quarantined[key] = (
                     summary_of(manifest, "quarantined", reason=reason, entry=quarantine_entry)

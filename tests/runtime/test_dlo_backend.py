@@ -194,12 +194,12 @@ def test_cpu_copies_run_on_the_copy_thread_and_overlap_nothing_they_must_not(tmp
     real_copy = torch.Tensor.copy_
 
     class SlowCopy(B._CopyThread):
-        def submit(self, dst, src):
+        def submit(self, dst, src, parts=None):
             def slow(*_a):
                 copy_threads.append(threading.get_ident())
                 _time.sleep(0.002)  # widen the window a missing wait would fall into
                 return real_copy(dst, src)
-            return super().submit(_Deferred(slow), src)
+            return super().submit(_Deferred(slow), src)  # one whole copy: the staging path has no cuts
 
     class _Deferred:
         def __init__(self, fn):

@@ -20,11 +20,13 @@ from dlo_runtime import (
 )
 from dlo_runtime import cuda_host, transports
 from dlo_runtime.cuda_host import (
-    HOST_REGISTER_READ_ONLY, MADV_POPULATE_READ, MADV_WILLNEED, HostCapability, NullRegistrar, choose_cudart,
-    cudart_candidates, prefault,
+    HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, MADV_POPULATE_READ, MADV_WILLNEED, HostCapability, NullRegistrar,
+    choose_cudart, cudart_candidates, prefault,
 )
+from dlo_runtime.copy_engine import pieces
+from dlo_runtime.pin_plan import copy_cuts
 from dlo_runtime.transports import plan_chunks, register_regions, registration_decline_reason
-from tests.support.dlo import FakeRegistrar, TestLease, make_artifact, reference, skeleton
+from tests.support.dlo import FakeRegistrar, TestLease, ToyModel, make_artifact, reference, skeleton
 from tests.support.dlo import skip_reason
 
 CHUNK = 2 * PAGE_SIZE  # small chunks, so a toy artifact spans several ranges
@@ -43,6 +45,25 @@ def _offload(skel, lease, registrar, **kw):
                                     chunk_bytes=CHUNK, **kw)
 
 
+def _spans(lease):
+    """(address, nbytes) of every block of the lease: what the backend
+    passes so that no chunk boundary falls inside a block."""
+    return [(int(lease.block_bytes(b.index).data_ptr()), b.end - b.begin) for b in lease.blocks]
+
+
+def _warm_wide(tmp_path, n_blocks: int = 3):
+    """Blocks of several pages each (width 128), so chunks of CHUNK bytes
+    really cut between blocks and the largest block exceeds a chunk."""
+    torch.manual_seed(0)
+    ref = ToyModel(n_blocks, width=128).eval()
+    lease = TestLease(make_artifact(tmp_path, ref))
+    with torch.device("meta"):
+        skel = ToyModel(n_blocks, width=128)
+    skel.init_runtime_buffers().eval()
+    restore_model(skel, lease)
+    return ref, lease, skel
+
+
 def test_plan_chunks_page_aligned_and_bounded():
     regions = [Region("a", 16 * PAGE_SIZE, 5 * PAGE_SIZE + 7), Region("b", 64 * PAGE_SIZE, PAGE_SIZE)]
     chunks = plan_chunks(regions, CHUNK)
@@ -54,15 +75,27 @@ def test_plan_chunks_page_aligned_and_bounded():
 
 
 def test_registered_transport_copies_from_the_mapping_without_staging(tmp_path, caplog):
-    ref, lease, skel = _warm(tmp_path)
+    ref, lease, skel = _warm_wide(tmp_path)
     reg = FakeRegistrar()
     with caplog.at_level(logging.INFO, logger="dlo_runtime.transports"):
         handle = _offload(skel, lease, reg)
     stats = handle.stats
     assert stats.transport == REGISTERED and stats.staging_bytes == 0
-    expected = plan_chunks(lease.regions(), CHUNK)
+    expected = plan_chunks(lease.regions(), CHUNK, _spans(lease))
     assert len(expected) > len(lease.regions())  # really chunked
-    assert [(c[1], c[2], c[3]) for c in reg.calls] == [(c.address, c.nbytes, HOST_REGISTER_READ_ONLY) for c in expected]
+    flags = HOST_REGISTER_READ_ONLY | HOST_REGISTER_PORTABLE
+    assert [(c[1], c[2], c[3]) for c in reg.calls] == [(c.address, c.nbytes, flags) for c in expected]
+    # Every piece of every block's copy comes out of ONE registered range; a
+    # block is cut only where blocks share a page, by less than a page.
+    cut_blocks = 0
+    for address, nbytes in _spans(lease):
+        cuts = copy_cuts(address, nbytes, expected)
+        cut_blocks += bool(cuts)
+        assert all(c < PAGE_SIZE for c in cuts)
+        for lo, hi in pieces(nbytes, cuts):
+            assert sum(1 for c in expected if c.address <= address + lo and address + hi <= c.address + c.nbytes) == 1
+    assert cut_blocks >= 1  # the artifact packs blocks back to back: some share a page
+    assert max(c.nbytes for c in expected) > CHUNK  # the largest block is one chunk of its own
     assert stats.registered_bytes == sum(c.nbytes for c in expected)
     assert stats.registration_calls == len(expected)
     logged = [r.getMessage() for r in caplog.records if "cudaHostRegister" in r.getMessage()]
@@ -77,7 +110,7 @@ def test_registered_transport_copies_from_the_mapping_without_staging(tmp_path, 
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_register_fails_at_range_k_rolls_back_to_staging(tmp_path, k):
-    ref, lease, skel = _warm(tmp_path)
+    ref, lease, skel = _warm_wide(tmp_path)
     reg = FakeRegistrar(fail_at=k)
     handle = _offload(skel, lease, reg)
     stats = handle.stats
@@ -94,7 +127,7 @@ def test_register_fails_at_range_k_rolls_back_to_staging(tmp_path, k):
 
 
 def test_rollback_failure_aborts_startup_keeping_the_lease(tmp_path):
-    ref, lease, skel = _warm(tmp_path)
+    ref, lease, skel = _warm_wide(tmp_path)
     reg = FakeRegistrar(fail_at=2, unregister_failures=-1)
     with pytest.raises(RegistrationAborted, match="lease stays open"):
         _offload(skel, lease, reg)
@@ -207,7 +240,7 @@ def test_backend_prefaults_by_default(tmp_path, monkeypatch):
     monkeypatch.setattr(transports, "prefault", lambda a, n: seen.append((a, n)) or "fake")
     handle = _offload(skel, lease, FakeRegistrar())
     assert handle.stats.transport == REGISTERED
-    assert seen == [(c.address, c.nbytes) for c in plan_chunks(lease.regions(), CHUNK)]
+    assert seen == [(c.address, c.nbytes) for c in plan_chunks(lease.regions(), CHUNK, _spans(lease))]
     handle.close()
 
 

@@ -165,6 +165,49 @@ def test_blocks_cut_across_shards_stream_from_their_pages_mapped_back_to_back(di
     assert torch.equal(out, expected)
 
 
+def test_checkpoint_registration_pins_block_pages_once_through_the_daemon(dirs, tmp_path, hwrd):
+    """Finding 8: the mapping registers its blocks' spans (merged) and each
+    stitched range, not the whole files plus the stitched ranges again, and
+    asks the daemon, which counts a file page mapped twice once; a second
+    worker of the same checkpoint adds nothing to the node's figure."""
+    from dlo_runtime.pin_plan import page_ceil, page_floor
+    from dlo_runtime.pretrained import CheckpointMapping
+    from dlo_runtime.transports import REGISTERED, choose_transport
+    from hwr_server.registration.accounting import PinnedRange, union_bytes
+    from tests.support.dlo import FakeRegistrar
+    from tests.support.registration import stats
+
+    split = _save(str(tmp_path / "split"), torch.bfloat16, shard="20KB")
+    plan = _plan(split)
+    assert plan.accepted and any(b.pieces for b in plan.blocks)
+    pages = []  # the file pages the blocks need, computed from the plan alone
+    for b in plan.blocks:
+        for f, lo, hi in (b.pieces or ((b.file, b.begin, b.end),)):
+            pages.append(PinnedRange(plan.files[f], page_floor(lo), page_ceil(hi) - page_floor(lo)))
+    need = union_bytes([(0, tuple(pages))])
+    clients, mappings = [hwrd.client(), hwrd.client()], [CheckpointMapping(plan), CheckpointMapping(plan)]
+    try:
+        base = stats(hwrd)["hwr_registration_admitted_bytes"]
+        old_total = sum(r.length for r in mappings[0].regions())  # what was registered before
+        regions = mappings[0].registration_regions()
+        assert sum(r.aligned_length for r in regions) < old_total
+        choices = []
+        for client, mapping in zip(clients, mappings):
+            mapping.session = client.session()
+            reg = FakeRegistrar()
+            choices.append(choose_transport(reg, reg.cap, mapping, pin_memory=True, registration_limit_gib=0))
+            assert choices[-1].kind == REGISTERED and "admitted by the node daemon" in choices[-1].reason
+        assert stats(hwrd)["hwr_registration_admitted_bytes"] == base + need
+        for c in choices:
+            c.ranges.unregister()
+        assert stats(hwrd)["hwr_registration_admitted_bytes"] == base
+    finally:
+        for m in mappings:
+            m.close()
+        for c in clients:
+            c.close()
+
+
 _WORKER = r"""
 import sys
 import dlo_runtime
@@ -226,10 +269,22 @@ def test_workers_share_the_checkpoints_pages(dirs):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_checkpoint_mmap_streams_to_cuda(dirs):
-    """Written for a CUDA node, not run on the CPU-only one it was written on:
-    the mapped files are registered read-only or staged (the transport
-    decides), the blocks stream from the mapping's spans."""
+def test_checkpoint_mmap_streams_to_cuda(dirs, tmp_path, hwrd):
+    """Written for a CUDA node, not run on the CPU-only one it was written
+    on. A checkpoint whose blocks are cut across shards (stitched ranges):
+    the transport is exactly what the code's rule says for this device
+    (registered read-only where it can, else staging through pinned slots),
+    and whatever is pinned went through the daemon's admission."""
+    from dlo_runtime.cuda_host import CudaRegistrar
+    from dlo_runtime.transports import registration_decline_reason
+    from tests.support.registration import stats
+
+    split = _save(str(tmp_path / "split"), torch.bfloat16, shard="20KB")
+    assert any(b.pieces for b in _plan(split).blocks)  # stitched blocks take part
+    device = torch.device("cuda", 0)
+    cap = CudaRegistrar(device).capability(device)
+    want = "staging" if registration_decline_reason(cap) else "registered"
+
     def on_cuda(model):
         inputs = {k: v.to("cuda:0") for k, v in MODELS["flux"][1](torch.bfloat16).items()}
         with torch.no_grad():
@@ -237,9 +292,16 @@ def test_checkpoint_mmap_streams_to_cuda(dirs):
 
     with dlo_runtime.from_pretrained(dirs["bf16"], mode="disabled", device="cuda:0") as lib:
         expected = on_cuda(lib.model)
-    with dlo_runtime.from_pretrained(dirs["bf16"], host_plan="checkpoint-mmap", device="cuda:0",
+    base = stats(hwrd)["hwr_registration_admitted_bytes"]
+    with dlo_runtime.from_pretrained(split, host_plan="checkpoint-mmap", device="cuda:0", socket=hwrd.socket,
                                      progress=False) as loaded:
         assert loaded.report.host_plan == "checkpoint-mmap" and loaded.report.bytes_materialized == 0
         out = on_cuda(loaded.model)
-        assert loaded.backend.transport in ("registered", "staging", "unified")
+        st = loaded.backend.stats
+        assert st.transport == want, (st.reason, cap)
+        pinned = st.registered_bytes + st.pinned_host_bytes
+        if pinned:
+            # Each file page once: pages a stitched range maps again count once.
+            assert base < stats(hwrd)["hwr_registration_admitted_bytes"] <= base + pinned
+    assert stats(hwrd)["hwr_registration_admitted_bytes"] == base
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=0)

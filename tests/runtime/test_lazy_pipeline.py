@@ -11,8 +11,6 @@ deferral, config-only reads load nothing; and the unified-memory decision.
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ import dlo_runtime  # noqa: E402
 from dlo_runtime.lazy import LazyComponent  # noqa: E402
 from dlo_runtime.placement import host_offload  # noqa: E402
 from tests.support.daemon import cleanup, make_daemon  # noqa: E402
+from tests.support.lazy_pipelines import Sampler  # noqa: E402
 from tests.support.real_models import run_flux_pipeline, save_flux_pipeline  # noqa: E402
 
 NAMES = ("text_encoder", "text_encoder_2", "transformer", "vae")
@@ -110,8 +109,13 @@ def test_a_path_the_declared_order_misses_reloads_counted_and_then_follows_the_c
         assert any("used after its declared release" in n for n in clip.notes)
         assert any("declared release dropped" in n for n in clip.notes)
         assert "declared" not in clip.release
+        mark = len(lazy.timeline)
         images.append(true_cfg(lazy.pipe))
         assert clip.unplanned_reloads == 1 and clip.loads == 3  # call 2: one load, held for both encodes
+        # Call 2 releases CLIP after its counted last use, before the transformer loads.
+        second = [w for _, w, _ in lazy.timeline[mark:]]
+        assert second.count("load text_encoder") == 1
+        assert second.index("release text_encoder") < second.index("load transformer"), second
         assert all(r.unplanned_reloads == 0 for n, r in lazy.reports.items() if n != "text_encoder")
         assert all(torch.equal(img, reference) for img in images)
 
@@ -237,18 +241,35 @@ def test_a_deferred_component_a_call_does_not_use_is_not_loaded_and_says_so(pipe
         assert lazy.reports["transformer"].loads == 1 and not lazy.reports["transformer"].notes
 
 
-def test_an_unchecked_pipeline_class_loads_normally_and_says_so(pipe_dir, hwrd):
+def test_a_class_without_a_use_order_loads_normally_says_so_and_counts_calls(pipe_dir, hwrd, reference):
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
-    class MyFlux(FluxPipeline):  # not checked: a subclass may mutate components
-        pass
+    class MyFlux(FluxPipeline):  # declares no order: nothing to release by
+        model_cpu_offload_seq = None
 
     with dlo_runtime.lazy_pipeline(pipe_dir, pipeline_class=MyFlux, socket=hwrd.socket) as lazy:
         assert type(lazy.pipe.transformer) is FluxTransformer2DModel and not lazy.components
+        assert isinstance(lazy.pipe, MyFlux) and torch.equal(run_flux_pipeline(lazy.pipe), reference)
+        run_flux_pipeline(lazy.pipe)
         rep = lazy.report
-        assert all(not r["deferred"] and "not a checked pipeline class" in r["why"]
+        assert rep["calls"] == 2 and rep["use_order"] is None
+        assert set(rep["components"]) == set(NAMES)
+        assert all(not r["deferred"] and "declares no model_cpu_offload_seq" in r["why"]
                    for r in rep["components"].values())
         assert any("MyFlux" in n for n in rep["notes"])
+
+
+def test_a_subclass_inherits_the_order_and_defers(pipe_dir, hwrd, reference):
+    """A subclass inherits ``model_cpu_offload_seq`` (diffusers' own offload
+    follows it too); the mutation checks guard what it does differently."""
+    from diffusers import FluxPipeline
+
+    class MyFlux(FluxPipeline):
+        pass
+
+    with dlo_runtime.lazy_pipeline(pipe_dir, pipeline_class=MyFlux, socket=hwrd.socket) as lazy:
+        assert torch.equal(run_flux_pipeline(lazy.pipe), reference)
+        assert all(r.deferred and r.loads == 1 for r in lazy.reports.values())
 
 
 def test_unified_memory_turns_host_offload_off_in_one_place():
@@ -267,36 +288,6 @@ def test_unified_memory_turns_host_offload_off_in_one_place():
 # -- peak memory, sampled -----------------------------------------------------------------
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _Sampler:
-    """Peak RSS of this process, sampled from a thread every millisecond."""
-
-    def __enter__(self) -> "_Sampler":
-        self.base = self.peak = _rss()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _rss())
-
-    @property
-    def delta(self) -> int:
-        return self.peak - self.base
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc/self/statm (Linux)")
 def test_peak_rss_is_the_largest_component_not_the_sum(hwrd, tmp_path_factory):
     from diffusers import FluxPipeline
@@ -307,16 +298,16 @@ def test_peak_rss_is_the_largest_component_not_the_sum(hwrd, tmp_path_factory):
     # A fresh worker's lazy pipeline on a warm store: its FIRST call (nothing
     # counted yet, the declared order) and its second (the counts).
     with dlo_runtime.lazy_pipeline(wide, socket=hwrd.socket) as lazy:
-        with _Sampler() as first_rss:
+        with Sampler() as first_rss:
             first_image = run_flux_pipeline(lazy.pipe)
-        with _Sampler() as lazy_rss:
+        with Sampler() as lazy_rss:
             lazy_image = run_flux_pipeline(lazy.pipe)
         sizes = {n: r["resident_bytes"] for n, r in lazy.report["components"].items()}
         assert all(r["outcomes"] == ["LOCAL_HIT"] * 2 for r in lazy.report["components"].values())
     largest, total = max(sizes.values()), sum(sizes.values())
     assert total - largest > 0.6 * largest  # the T5 encoder is big enough to tell sum from max
     # The same components, warm from the same artifacts, all resident: the sum.
-    with _Sampler() as resident_rss:
+    with Sampler() as resident_rss:
         loaded = {n: dlo_runtime.from_pretrained(wide, subfolder=n, socket=hwrd.socket, progress=False) for n in NAMES}
         pipe = FluxPipeline.from_pretrained(wide, dtype=torch.bfloat16, **{n: m.model for n, m in loaded.items()})
         resident_image = run_flux_pipeline(pipe)

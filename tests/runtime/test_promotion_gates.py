@@ -46,6 +46,18 @@ def _reference(ckpt: str) -> torch.Tensor:
         worker.close()
 
 
+def test_the_ordinary_worker_is_resident_on_its_device(ckpt):
+    """Finding 3: forward() moves the inputs to --device, so the resident
+    model must be there too (on a CUDA node it was left on the CPU). The
+    meta device stands in for a GPU: every tensor must have moved."""
+    worker = start_worker(WorkerOptions("tiny-dit", ckpt, "disabled", offload=False, device="meta"))
+    try:
+        tensors = list(worker.model.parameters()) + list(worker.model.buffers())
+        assert tensors and all(t.device.type == "meta" for t in tensors)
+    finally:
+        worker.close()
+
+
 def _populate(ckpt: str, daemon) -> None:
     worker = start_worker(_opts(ckpt, daemon))
     try:

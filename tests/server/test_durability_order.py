@@ -1,11 +1,15 @@
 """The durability order, seen from outside: the real daemon runs under
-strace during ONE ordered publication, and the trace must show
+strace during ONE publication, ordered (hashed while written, background
+fsyncs) and unordered (chunks at offsets, hashed by read-back at commit),
+and the trace must show
 
     fsync of every payload file  <  fsync of blobs/  <  fsync of manifest.json
     <  rename into artifacts/  <  fsync of artifacts/  <  the reply on the socket
 
 where "A < B" means A returned before B was entered. ``strace -y`` names the
-path behind each fd. Skipped only where ptrace is not permitted.
+path behind each fd. And a failed fsync (EIO injected by strace into the
+running daemon) fails the commit with nothing visible. Skipped only where
+ptrace is not permitted.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import subprocess
 
 import pytest
 
+from hwr_client.core.errors import HwrError, NotFound
 from hwr_client.core.identity import Identity
 from tests.conftest import identity, sample_tensors
 from tests.support.daemon import cleanup, make_daemon
@@ -94,11 +99,12 @@ def _stop_traced(d) -> None:
     d.proc.wait(60)
 
 
-def test_ordered_publication_is_durable_before_the_reply(traced):
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "unordered"])
+def test_publication_is_durable_before_the_reply(traced, ordered):
     d, trace = traced
     tensors = sample_tensors(blocks=3)
     with d.client() as c:
-        report = c.publish(identity(t="strace"), tensors, ordered=True, file_target_bytes=1)
+        report = c.publish(identity(t="strace"), tensors, ordered=ordered, file_target_bytes=1)
     _stop_traced(d)
     key = Identity.from_dict(identity(t="strace")).key
     assert report.key == key and len(report.manifest.files) >= 3
@@ -138,3 +144,53 @@ def test_ordered_publication_is_durable_before_the_reply(traced):
     ]
     for (what_a, a), (what_b, b) in zip(chain, chain[1:]):
         assert a.end <= b.begin, f"{what_a} (returned {a.end:.6f}) does not precede {what_b} (entered {b.begin:.6f})"
+
+
+def _attach_injecting_eio(pid: int, trace: str) -> subprocess.Popen:
+    """strace attached to every thread of the running daemon ``pid``, making
+    each fsync and fdatasync fail with EIO; returns once all are attached."""
+    tracer = subprocess.Popen(["strace", "-f", "-ttt", "-T", "-y", "-p", str(pid), "-e", "trace=fsync,fdatasync",
+                               "-e", "inject=fsync,fdatasync:error=EIO", "-o", trace],
+                              stderr=subprocess.PIPE, text=True)
+    assert tracer.stderr is not None
+    # "strace: Process N attached with T threads": printed once all are.
+    line = tracer.stderr.readline()
+    assert "attached" in line, f"strace did not attach ({tracer.poll()}): {line}"
+    return tracer
+
+
+def test_a_failed_fsync_fails_the_commit_and_leaves_nothing_visible(tmp_path):
+    if shutil.which("strace") is None:
+        pytest.fail("strace is not installed; .ci/setup installs it (Debian package strace)")
+    refused = _ptrace_refused()
+    if refused:
+        pytest.skip(f"ptrace is not permitted here: {refused}")
+    d = make_daemon(tmp_path).start()
+    trace = str(tmp_path / "strace.txt")
+    doc = identity(t="fsync-eio")
+    key = Identity.from_dict(doc).key
+    try:
+        tracer = _attach_injecting_eio(d.proc.pid, trace)
+        try:
+            with d.client() as c, pytest.raises(HwrError) as exc:
+                c.publish(doc, sample_tensors(blocks=3), ordered=True, file_target_bytes=1)
+        finally:
+            tracer.send_signal(signal.SIGINT)  # detaches; the daemon runs on untraced
+            tracer.wait(60)
+        # The failure was an injected payload fsync (strace marks it), and the
+        # error says so rather than succeeding.
+        injected = [c for c in parse(trace) if "INJECTED" in c.args or c.result == "-1"]
+        assert any(re.search(r"/staging/[0-9a-f]+/\d{5}\.safetensors>", c.args) for c in injected), injected[:3]
+        assert "fsync" in str(exc.value).lower() or "input/output error" in str(exc.value).lower(), exc.value
+        # Nothing visible: no artifact, no staging, no blob left behind.
+        with d.client() as c:
+            with pytest.raises(NotFound):
+                c.lookup(key)
+        assert os.listdir(os.path.join(d.root, "artifacts")) == []
+        assert os.listdir(os.path.join(d.root, "staging")) == []
+        assert os.listdir(os.path.join(d.root, "blobs", "sha256")) == []
+        # Once the disk answers again, the same publication commits.
+        with d.client() as c:
+            assert c.publish(doc, sample_tensors(blocks=3), ordered=True, file_target_bytes=1).key == key
+    finally:
+        cleanup(d)

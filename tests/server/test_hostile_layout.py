@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import threading
 
 import pytest
 import torch
@@ -44,13 +43,24 @@ def test_a_layout_directory_linked_elsewhere_is_refused_at_start(tmp_path, layou
     assert os.path.islink(link)
 
 
-def test_deep_verify_reads_only_the_blob_it_checked(tmp_path):
-    """A writer flips a blob's name between the blob and a link to a file of
-    the same size with other bytes while deep verify (what VerifyArtifact,
-    the scrubber and ReportCorruption run: ``Store.verify``) re-hashes it.
-    Every verify must either see the link (refused, never followed) or read
-    the blob it checked; none may hash the link's target: a "sha256
-    mismatch" without a link in the problems means it read another file."""
+def test_deep_verify_reads_only_the_blob_it_checked(tmp_path, monkeypatch):
+    """The blob's name is flipped to a link to a file of the same size with
+    other bytes, at the two moments that matter, while deep verify (what
+    VerifyArtifact, the scrubber and ReportCorruption run: ``Store.verify``)
+    re-hashes it:
+
+    - just BEFORE verify opens the name: it must see the link (refused,
+      never followed);
+    - just AFTER it opened and checked the name: every read must still come
+      from the blob it checked; hashing the link's target shows as a
+      "sha256 mismatch" without a link among the problems.
+
+    The flips happen at those points through the open seam (the store's
+    ``open_stored``), every time: no racing thread whose scheduling decides
+    whether the race was run (the earlier version asserted that its flipper
+    had run at least once, which a loaded machine sometimes did not do)."""
+    from hwr_server.store import recovery
+
     store = make_store(tmp_path)
     tensors = {"w": torch.arange(16384, dtype=torch.float32)}
     key = publish_inproc(store, build_plan(identity(t="swap"), tensors), tensors).key
@@ -60,32 +70,36 @@ def test_deep_verify_reads_only_the_blob_it_checked(tmp_path):
     other.write_bytes(b"\x5a" * size)
     keep = str(tmp_path / "keep.bin")
     os.link(path, keep)  # the blob's inode, to put back under its name
-    stop = threading.Event()
 
-    def flip() -> None:
-        tmp_link, tmp_blob = path + ".link", path + ".back"
-        while not stop.is_set():
-            # rename(2) replaces the name atomically: at every instant the
-            # name is either the blob or the link.
-            os.symlink(other, tmp_link)
-            os.rename(tmp_link, path)
-            os.link(keep, tmp_blob)
-            os.rename(tmp_blob, path)
+    def to_link() -> None:
+        # rename(2) replaces the name atomically: it is the blob or the link.
+        os.symlink(other, path + ".link")
+        os.rename(path + ".link", path)
 
-    flipper = threading.Thread(target=flip, daemon=True)
-    flipper.start()
-    seen = {"link": 0, "ok": 0, "read another file": 0}
-    try:
-        for _ in range(400):
+    def to_blob() -> None:
+        os.link(keep, path + ".back")
+        os.rename(path + ".back", path)
+
+    real_open = recovery.open_stored
+    when = {"flip": ""}
+
+    def open_with_flip(p, **kw):
+        if when["flip"] == "before":
+            to_link()
+        try:
+            return real_open(p, **kw)
+        finally:
+            if when["flip"] == "after":
+                to_link()
+
+    monkeypatch.setattr(recovery, "open_stored", open_with_flip)
+    seen = {}
+    for flip in ("before", "after", "before", "after"):
+        when["flip"] = flip
+        try:
             r = store.verify(key)
-            if r.ok:
-                seen["ok"] += 1
-            elif any("symbolic link" in p for p in r.problems):
-                seen["link"] += 1
-            else:
-                seen["read another file"] += 1
-    finally:
-        stop.set()
-        flipper.join(10)
-    assert seen["read another file"] == 0, seen
-    assert seen["link"] > 0, seen  # the flips did race the verifies
+        finally:
+            to_blob()
+        outcome = "ok" if r.ok else ("link" if any("symbolic link" in p for p in r.problems) else "read another file")
+        seen.setdefault(flip, []).append(outcome)
+    assert seen == {"before": ["link", "link"], "after": ["ok", "ok"]}, seen

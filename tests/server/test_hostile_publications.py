@@ -191,6 +191,45 @@ def test_header_bytes_boundary(tmp_path):
         cleanup(d)
 
 
+def _header_sizes(tag: str, name: str) -> tuple[dict, int, int]:
+    """(tensors, padded header bytes, the same header without its padding)."""
+    tensors = {"blocks.0.w": torch.zeros(4), name: torch.zeros(4)}
+    lay = max(check_plan(build_plan(identity(t=tag), tensors)).layouts, key=lambda lay: len(lay.header))
+    return tensors, len(lay.header), len(lay.header.rstrip(b" "))
+
+
+def test_header_limit_off_the_64_byte_padding(tmp_path):
+    """Headers are padded to 64 bytes; limits that are not multiples of 64
+    must still be compared with the PADDED size (the bytes written and
+    parsed). With a limit one byte under a header's padded size, that
+    header is refused although its unpadded JSON fits; with a limit half a
+    pad above it, it is accepted, and the next larger header (one pad more,
+    its unpadded JSON under the limit) is refused."""
+    # A header whose padding is large, and one a pad larger whose JSON ends
+    # within the first half of its last pad.
+    a = next(x for x in (_header_sizes("pad-a", "x" * n) for n in range(100, 164)) if x[1] - x[2] >= 16)
+    tensors_a, h, unpadded_a = a
+    b = next(x for x in (_header_sizes("pad-b", "x" * n) for n in range(100, 400)) if x[1] == h + 64
+             and x[2] <= h + 32)
+    tensors_b, h_b, unpadded_b = b
+    assert h % 64 == 0 and unpadded_a < h - 1 and unpadded_b <= h + 32 < h_b
+    under = start_with(tmp_path, "pad-under", {"max_header_bytes": h - 1})
+    try:
+        exc = refused(under, "pad-a", tensors_a)
+        assert isinstance(exc, ResourceExhausted)
+        assert f"header bytes {h} exceeds the limit {h - 1}" in str(exc) and "max_header_bytes" in str(exc)
+    finally:
+        cleanup(under)
+    over = start_with(tmp_path, "pad-over", {"max_header_bytes": h + 32})
+    try:
+        publish_and_remove(over, "pad-a", tensors_a)
+        exc = refused(over, "pad-b", tensors_b)
+        assert isinstance(exc, ResourceExhausted)
+        assert f"header bytes {h_b} exceeds the limit {h + 32}" in str(exc)
+    finally:
+        cleanup(over)
+
+
 def test_manifest_bytes_boundary_and_estimate_is_exact(tmp_path):
     """The refused manifest is exactly one byte larger (one more name
     character); the stored manifest of the accepted one has exactly the size

@@ -27,7 +27,8 @@ MiB = 1024 * 1024
 # -- per-peer shares (in-process: two distinct peers) ----------------------
 
 
-A, B = Peer(pid=101, uid=1000), Peer(pid=202, uid=1000)
+# Two processes of two users (of one user, the per-uid cap would hold B up too).
+A, B = Peer(pid=101, uid=1000), Peer(pid=202, uid=2000)
 
 
 def _store(tmp_path, **kw) -> Store:
@@ -142,7 +143,7 @@ def test_a_plan_evicts_nothing_until_its_payload_arrives(tmp_path):
             assert_staging_empty(d)
             keys = {a.key for a in client.call(client.admin.ListArtifacts, pb.ListArtifactsRequest()).artifacts}
             assert keys == kept
-            assert "collecting when its payload arrives" in d.log()
+            assert "collecting as its payload arrives" in d.log()
             report = client.publish(identity(t="new"), big(3))
             keys = {a.key for a in client.call(client.admin.ListArtifacts, pb.ListArtifactsRequest()).artifacts}
             assert report.key in keys and not kept <= keys

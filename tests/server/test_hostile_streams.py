@@ -25,7 +25,7 @@ import pytest
 from hwr_client.channel import forget_peer_token, open_channel
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.core.errors import ResourceExhausted
+from hwr_client.core.errors import ResourceExhausted, UntrustedPublisher
 from tests.conftest import identity, sample_tensors
 from tests.support.paths import REPO_DIR
 from tests.support.streams import CALL_BOUND_S, HOSTILE, readline, wait_for
@@ -322,13 +322,15 @@ def test_the_session_pid_is_the_kernels_not_the_claim(daemon, streams):
 
 def test_a_daemon_without_the_credentials_socket_still_serves(make_daemon_fixture):
     """An older daemon has no ``.cred`` socket: the client sends no token
-    and everything works (as the anonymous peer)."""
+    and is served as the anonymous peer. What an anonymous process publishes
+    is trusted by nobody (README "Trust"): the publication commits, and a
+    lease of it is refused naming the anonymous publisher, not served."""
     d = make_daemon_fixture()
     os.unlink(d.socket + ".cred")
     forget_peer_token(d.socket)
     key = publish(d)
-    with d.client() as c, c.acquire(key) as lease:
-        assert lease.manifest.key == key
+    with d.client() as c, pytest.raises(UntrustedPublisher, match="anonymous"):
+        c.acquire(key)
 
 
 def test_a_forged_or_foreign_token_is_the_anonymous_peer(make_daemon_fixture, tmp_path, streams):
@@ -340,11 +342,12 @@ def test_a_forged_or_foreign_token_is_the_anonymous_peer(make_daemon_fixture, tm
     from hwr_client.channel import peer_token
 
     token = peer_token(d.socket)
-    assert token is not None and token.startswith(f"v1.{os.getpid()}.{os.getuid()}.")
+    assert token is not None and token.startswith(f"v2.{os.getpid()}.{os.getuid()}.")
     stub = pb_grpc.RuntimeStub(raw_channel(d))
-    other_pid = token.replace(f"v1.{os.getpid()}.", "v1.1.", 1)
+    other_pid = token.replace(f"v2.{os.getpid()}.", "v2.1.", 1)
     guessed = token[:-4] + ("0000" if not token.endswith("0000") else "1111")
-    for forged in (other_pid, guessed, "", "x" * 4096):
+    v1 = ".".join(["v1", *token.split(".")[1:3], token.split(".")[-1]])  # the old format: not accepted
+    for forged in (other_pid, guessed, v1, "", "x" * 4096):
         call = stub.Session(iter(()), metadata=[("hwr-peer-token", forged)], timeout=CALL_BOUND_S)
         with pytest.raises(grpc.RpcError) as err:
             next(call)

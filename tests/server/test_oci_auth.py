@@ -37,7 +37,8 @@ def htpasswd_file(path: str, user: str, password: str) -> str:
 
 
 def credentials(path: str, host: str, user: str, password: str) -> str:
-    with open(path, "w") as f:
+    # 0600: the daemon refuses a credentials file other users may read.
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         json.dump({"auths": {host: {"auth": base64.b64encode(f"{user}:{password}".encode()).decode()}}}, f)
     return path
 

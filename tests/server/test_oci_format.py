@@ -15,7 +15,8 @@ from hwr_client.core.manifest import Manifest
 from hwr_client.local import write_artifact
 from hwr_client.tensors import build_plan
 from hwr_server.remote import oci as fmt
-from hwr_server.remote.registry import _challenge, load_credentials, parse_reference
+from hwr_server.remote.names import parse_challenge
+from hwr_server.remote.registry import load_credentials, parse_reference
 from tests.conftest import identity, sample_tensors
 
 
@@ -115,6 +116,7 @@ def test_references():
 
 def test_credentials_file_and_challenges(tmp_path):
     path = tmp_path / "config.json"
+    path.touch(0o600)  # a secret: other users may not read it (hwr_server.remote.credentials)
     path.write_text(json.dumps({"auths": {
         "a.example:5000": {"auth": base64.b64encode(b"user:pa:ss").decode()},
         "https://b.example": {"username": "u2", "password": "p2"}}}))
@@ -126,7 +128,7 @@ def test_credentials_file_and_challenges(tmp_path):
         load_credentials(str(path), "a")
     with pytest.raises(InvalidArgument, match="cannot read"):
         load_credentials(str(tmp_path / "missing.json"), "a")
-    scheme, params = _challenge('Bearer realm="https://auth.example/token",service="reg",scope="repository:x:pull"')
+    scheme, params = parse_challenge('Bearer realm="https://auth.example/token",service="reg",scope="repository:x:pull"')
     assert scheme == "bearer" and params == {"realm": "https://auth.example/token", "service": "reg",
                                              "scope": "repository:x:pull"}
-    assert _challenge('Basic realm="r"')[0] == "basic"
+    assert parse_challenge('Basic realm="r"')[0] == "basic"

@@ -266,7 +266,9 @@ def test_a_full_disk_is_resource_exhausted_and_nothing_is_left(make_daemon_fixtu
             proxy.stall = None
         t.join(120)
         assert len(errors) == 1 and isinstance(errors[0], ResourceExhausted), errors
-        assert "disk is full" in str(errors[0]), errors[0]
+        # The filesystem's ENOSPC, or the space check each arriving step of
+        # the download makes first (capacity is admitted as bytes arrive).
+        assert "disk is full" in str(errors[0]) or "does not fit the disk" in str(errors[0]), errors[0]
         nothing_left(node)
         with node.client() as c, pytest.raises(NotFound):  # still serving
             c.lookup(key)

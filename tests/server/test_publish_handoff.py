@@ -7,6 +7,7 @@ daemon publishes what the file holds, or nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import mmap
 import os
@@ -175,6 +176,38 @@ def test_a_declared_tensor_digest_is_checked_with_sha256(inproc):
     assert counter.sha256_bytes == files + tensors[name].nbytes  # only the declared tensor twice
 
 
+@pytest.mark.parametrize("transport", ["handoff", "messages"])
+def test_a_plan_asking_for_tensor_sha256_gets_a_format_1_manifest(inproc, transport):
+    """vLLM-Omni's manifest needs a SHA-256 per tensor: such a plan pays a
+    second SHA-256 pass over the tensors, and its manifest (format 1) holds
+    them, with its annotations."""
+    store, listener, socket, counter = inproc
+    tensors = big_tensors(1)
+    plan = dataclasses.replace(build_plan(identity(t=f"sha-{transport}"), tensors, file_target_bytes=1 << 20),
+                               tensor_sha256=True, annotations={"schema_version": 1, "data": {"k": 1}})
+    checked = check_plan(plan)
+    msg = to_proto(plan)
+    msg.file_handoff = transport == "handoff"
+    pub = Publication.begin(store, msg, handoff=listener)
+    try:
+        for i, lay in enumerate(checked.layouts):
+            if transport == "handoff":
+                fd = receive_descriptor(socket, pub.handoff_token, i)
+                write_file(fd, lay, tensors)
+                os.close(fd)
+                pub.written(i, lay.data_size, True)
+        for fi, off, data in chunks_of(plan, tensors, 1 << 20) if transport == "messages" else ():
+            pub.write(fi, off, data)
+        manifest = Manifest.from_json(pub.commit().manifest_json)
+    finally:
+        pub.close()
+    files = sum(lay.file_size for lay in checked.layouts)
+    assert counter.sha256_bytes == files + sum(t.nbytes for t in tensors.values())
+    assert manifest.format_version == 1 and manifest.annotations == {"schema_version": 1, "data": {"k": 1}}
+    assert {t.name: t.sha256 for t in manifest.tensors} == {
+        n: hashlib.sha256(t.numpy().tobytes()).hexdigest() for n, t in tensors.items()}
+
+
 # -- a client is never trusted ------------------------------------------------------------
 
 
@@ -214,7 +247,8 @@ def test_a_handed_descriptor_cannot_be_mapped_writable(daemon):
         fd = raw.fd(0)
         try:
             with pytest.raises(PermissionError):
-                mmap.mmap(fd, raw.checked.layouts[0].file_size)
+                # The header's length: the file holds it (nothing is preallocated).
+                mmap.mmap(fd, raw.checked.layouts[0].data_start)
         finally:
             os.close(fd)
             raw.cancel()

@@ -75,8 +75,10 @@ class _Clock:
 
 
 def _admission(open_sessions: set[str], clock: _Clock, **cfg) -> RegistrationAdmission:
+    # The uid share is tested on its own (test_hostile_registration.py);
+    # here every request is the anonymous uid's, so it holds the whole budget.
     base = dict(registration_budget_bytes=10 * MIB, registration_chunk_bytes=MIB,
-                registration_chunk_timeout_s=5.0, max_registrations_in_flight=1)
+                registration_chunk_timeout_s=5.0, max_registrations_in_flight=1, registration_uid_share=1.0)
     base.update(cfg)
     return RegistrationAdmission(ServerConfig(**base), lambda s: s in open_sessions, clock=clock)
 
@@ -112,35 +114,92 @@ def test_budget_in_flight_and_session_end():
     assert adm.admit("gone", MIB, pid=3).reason == "session"
 
 
-def test_watchdog_refuses_until_the_stalled_chunk_completes():
+def test_a_stall_frees_the_slot_and_refuses_only_its_own_session():
     clock, sessions = _Clock(), {"a", "b"}
-    adm = _admission(sessions, clock, max_registrations_in_flight=2)
+    adm = _admission(sessions, clock)
     grant = adm.admit("a", 2 * MIB, pid=1)
+    # Queued behind a's slot (the only one).
+    queued = adm.admit("b", MIB, pid=2, wait_s=60)
+    assert (queued.reason, queued.position) == ("queued", 0) and queued.ticket
     clock.t += 5.1
     assert adm.check_watchdog() == 1
     stats = adm.stats()
     assert stats["hwr_registration_watchdog_stalled"] == 1
     assert stats["hwr_registration_watchdog_stalls_total"] == 1
-    # A free slot and budget left, yet refused: the node's driver is stuck.
-    assert adm.admit("b", MIB, pid=2, wait_s=60).reason == "watchdog"
+    assert stats["hwr_registrations_in_flight"] == 0  # the stalled one gave up its slot
+    # The stalled session's next request is refused; another session's is not.
+    assert adm.admit("a", MIB, pid=1).reason == "watchdog"
+    second = adm.admit("b", MIB, pid=2, ticket=queued.ticket)
+    assert second.admitted
     adm.report_chunk("a", grant.registration_id, MIB, 5.1)
     assert adm.stats()["hwr_registration_watchdog_stalled"] == 0
-    assert adm.admit("b", MIB, pid=2).admitted
+    adm.report_chunk("b", second.registration_id, MIB, 0.1)
+    assert adm.admit("a", MIB, pid=1).admitted  # a is admitted again once its chunk completed
 
 
-def test_stop_refuses_a_waiting_request():
-    import threading
+def test_queued_requests_are_answered_at_once_and_admitted_in_order():
+    clock, sessions = _Clock(), {"a", "b", "c"}
+    adm = _admission(sessions, clock)
+    first = adm.admit("a", MIB, pid=1)
+    b = adm.admit("b", MIB, pid=2, wait_s=60)
+    c = adm.admit("c", MIB, pid=3, wait_s=60)
+    assert (b.reason, b.position, c.reason, c.position) == ("queued", 0, "queued", 1)
+    assert b.retry_after_ms > 0 and b.ticket != c.ticket
+    assert adm.stats()["hwr_registrations_queued"] == 2
+    adm.report_chunk("a", first.registration_id, MIB, 0.1)  # the slot frees
+    # c asks first, but b is ahead of it: the slot waits for b.
+    assert adm.admit("c", MIB, pid=3, ticket=c.ticket).reason == "queued"
+    assert adm.admit("c", MIB, pid=3, wait_s=60).position == 2  # without its ticket: a new request, at the end
+    granted = adm.admit("b", MIB, pid=2, ticket=b.ticket)
+    assert granted.admitted
+    adm.report_chunk("b", granted.registration_id, MIB, 0.1)
+    assert adm.admit("c", MIB, pid=3, ticket=c.ticket).admitted
+    assert adm.stats()["hwr_registrations_queued"] == 1  # c's second, ticketless request
 
+
+def test_a_queued_request_leaves_when_it_stops_asking_or_its_wait_is_over():
+    clock, sessions = _Clock(), {"a", "b", "c"}
+    adm = _admission(sessions, clock, registration_chunk_timeout_s=100.0)  # no stall frees the slot here
+    adm.admit("a", MIB, pid=1)  # holds the slot
+    gone = adm.admit("b", MIB, pid=2, wait_s=60)
+    clock.t += 6  # more than TICKET_TTL_S without asking again
+    late = adm.admit("c", MIB, pid=3, wait_s=2)
+    assert (late.reason, late.position) == ("queued", 0)  # b's place is gone
+    assert adm.admit("b", MIB, pid=2, ticket=gone.ticket, wait_s=60).position == 1  # asks again: at the end now
+    clock.t += 2  # c's 2 s are over
+    over = adm.admit("c", MIB, pid=3, ticket=late.ticket)
+    assert over.reason == "busy" and "wait is over" in over.detail
+
+
+def test_one_uid_queues_at_most_its_share_of_waiters():
+    clock, sessions = _Clock(), {"a", "b"}
+    adm = _admission(sessions, clock, max_registration_waiters_per_uid=2)
+    adm.admit("a", MIB, pid=1)  # holds the slot
+    got = [adm.admit("b", MIB, pid=2, uid_key="uid 65534", wait_s=60).reason for _ in range(3)]
+    assert got == ["queued", "queued", "busy"]
+    refused = adm.admit("b", MIB, pid=2, uid_key="uid 65534", wait_s=60)
+    assert "max_registration_waiters_per_uid" in refused.detail
+    # Another uid, and the node's own (privileged) workers, still queue.
+    assert adm.admit("b", MIB, pid=2, uid_key="uid 1000", wait_s=60).reason == "queued"
+    assert all(adm.admit("a", MIB, pid=1, uid_key="uid 0", privileged=True, wait_s=60).reason == "queued"
+               for _ in range(3))
+
+
+def test_one_uid_holds_at_most_its_share_of_the_budget():
+    clock, sessions = _Clock(), {"a", "b"}
+    adm = _admission(sessions, clock, registration_uid_share=0.5, max_registrations_in_flight=8)
+    assert adm.admit("a", 5 * MIB, pid=1, uid_key="uid 65534").admitted  # exactly the share
+    refused = adm.admit("b", MIB, pid=2, uid_key="uid 65534")  # another process of the same uid
+    assert refused.reason == "budget" and "registration_uid_share" in refused.detail
+    assert adm.admit("b", 5 * MIB, pid=2, uid_key="uid 0", privileged=True).admitted  # the rest
+
+
+def test_a_stopping_daemon_refuses_at_once():
     adm = RegistrationAdmission(ServerConfig(registration_budget_bytes=4 * MIB), lambda s: True)
-    assert adm.admit("a", MIB, pid=1).admitted  # takes the only slot
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(adm.admit("b", MIB, pid=2, wait_s=60)))
-    waiter.start()
-    # Waiting already or about to: either way it must not wait out its 60 s.
+    assert adm.admit("a", MIB, pid=1, privileged=True).admitted  # takes the only slot
     adm.stop()
-    waiter.join(timeout=10)
-    assert not waiter.is_alive()
-    assert got[0].reason == "busy" and "stopping" in got[0].detail
+    got = adm.admit("b", MIB, pid=2, privileged=True, wait_s=60)
+    assert got.reason == "busy" and "stopping" in got.detail
 
 
 def test_watchdog_clears_when_the_stalled_session_ends():
@@ -149,7 +208,9 @@ def test_watchdog_clears_when_the_stalled_session_ends():
     adm.admit("a", MIB, pid=1)
     clock.t += 6
     adm.check_watchdog()
+    assert adm.stats()["hwr_registration_watchdog_stalled"] == 1
     adm.end_session("a")
+    assert adm.stats()["hwr_registration_watchdog_stalled"] == 0
     assert adm.admit("b", MIB, pid=2).admitted
 
 
@@ -168,6 +229,7 @@ def test_oversized_chunk_and_bad_config_are_named():
 def test_default_budget_is_a_fraction_of_memtotal():
     adm = RegistrationAdmission(ServerConfig(), lambda s: True, mem_total=lambda: 64 * 1024 * MIB)
     assert adm.budget == 32 * 1024 * MIB
+    assert adm.uid_cap == 16 * 1024 * MIB  # registration_uid_share 0.5
 
 
 def test_plan_chunks_covers_the_range():
@@ -234,7 +296,7 @@ def test_eight_workers_share_the_budget_one_at_a_time(tmp_path):
         cleanup(d)
 
 
-def test_watchdog_reports_a_hung_chunk_and_others_stage_at_once(tmp_path):
+def test_watchdog_reports_a_hung_chunk_and_others_are_admitted_after_it(tmp_path):
     d = _start(tmp_path, registration_budget_bytes=64 * MIB, registration_chunk_bytes=MIB,
                registration_chunk_timeout_s=0.5, max_registrations_in_flight=1)
     procs = []
@@ -242,19 +304,20 @@ def test_watchdog_reports_a_hung_chunk_and_others_stage_at_once(tmp_path):
         hung = _worker(d, 2 * MIB, "hang")
         procs.append(hung)
         assert _result(hung) == {"hanging": True}
-        # Asked while the hung worker holds the only slot: each waits (60 s
-        # allowed) until the watchdog trips, then is refused "watchdog".
+        # Asked while the hung worker holds the only slot: each is queued
+        # (60 s allowed) until the watchdog gives the slot away, then
+        # admitted in turn. A stall blocks only its own session.
         others = [_worker(d, MIB, "sleep:0", wait_s=60) for _ in range(3)]
         procs += others
         results = [_result(p) for p in others]
-        assert [r["reason"] for r in results] == ["watchdog"] * 3
+        assert [r["admitted"] for r in results] == [True] * 3, results
         assert hung.poll() is None  # ...while the hung one still hangs
         s = _stats(d)
         assert s["hwr_registration_watchdog_stalled"] == 1
         assert s["hwr_registration_watchdog_stalls_total"] == 1
-        assert s['hwr_registration_admissions_total{outcome="watchdog"}'] == 3
+        assert s['hwr_registration_admissions_total{outcome="watchdog"}'] == 0
         assert "has run for more than 0.5 s" in d.log()
-        # The hang ends: the chunk completes, admissions resume.
+        # The hang ends: the chunk completes and the stall clears.
         hung.stdin.write("go\n")
         hung.stdin.flush()
         assert _result(hung)["admitted"]

@@ -3,7 +3,6 @@ ResolveSources, local fallback, the ``hwr sources`` CLI, build_identity."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -16,22 +15,11 @@ from hwr_client.cli import main as cli_main
 from hwr_client.core.errors import InvalidArgument, NotFound, PermissionDenied
 from hwr_client.core.identity import Identity
 from hwr_client.sources import build_identity, resolve_sources
-from tests.support.sources import settle
+from tests.support.sources import settle, sha, write
 
 LAYOUT = {"tp_rank": 0, "tp_size": 1, "sp_size": 1, "sp_backend": "none"}
 KW = dict(contract={"name": "tiny-dit", "version": 1}, layout=LAYOUT, representation={"dtype": "bfloat16"},
           producer={"id": "test", "version": "1"})
-
-
-def sha(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def write(path, data: bytes) -> str:
-    os.makedirs(os.path.dirname(str(path)), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-    return str(path)
 
 
 def stats(client) -> dict:

@@ -9,6 +9,8 @@ real daemon lease is exercised in test_dlo_transaction.py when
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -111,6 +113,9 @@ class TestLease:
     def file_bytes(self, i):
         return self.artifact.file_bytes(i)
 
+    def check_unchanged(self):
+        self.artifact.check_unchanged()
+
     def close(self):
         self.closed += 1
 
@@ -169,6 +174,17 @@ def cuda_capability():
     if reason:
         pytest.skip(f"host registration not usable here: {reason} ({cap})")
     return reg, cap
+
+
+class StagingRegistrar(CudaRegistrar):
+    """The real CUDA registrar answering as an x86 discrete GPU does (no
+    read-only registration): a lease stages, the backend's own buffers
+    still pin. On such a GPU it changes nothing; elsewhere it forces the
+    staging transport with pinned slots."""
+
+    def capability(self, device):
+        return dataclasses.replace(super().capability(device), read_only_supported=False,
+                                   uses_host_page_tables=False)
 
 
 def skip_reason(cap: HostCapability) -> str:

@@ -34,10 +34,10 @@ def nodes(make_daemon_fixture, tmp_path, registry):
     reg, proxy = registry
 
     def make(repo: str = "", pull_on_miss: bool = False, layer_attempts: int = 3, push_after_publish: bool = False,
-             extra: tuple[str, ...] = (), timeout_s: float = 10.0):
+             extra: tuple[str, ...] = (), timeout_s: float = 10.0, remote_extra: str = ""):
         cfg = remote_config(str(tmp_path / f"cfg-{len(os.listdir(tmp_path))}.toml"), registry=proxy.host,
                             repository=repo, pull_on_miss=pull_on_miss, layer_attempts=layer_attempts,
-                            push_after_publish=push_after_publish, timeout_s=timeout_s)
+                            push_after_publish=push_after_publish, timeout_s=timeout_s, extra=remote_extra)
         return make_daemon_fixture("--config", cfg, *extra, root=str(tmp_path / f"root-{len(os.listdir(tmp_path))}"))
 
     return make

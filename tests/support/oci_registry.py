@@ -344,9 +344,10 @@ class Proxy:
 def remote_config(path: str, *, registry: str = "", repository: str = "", pull_on_miss: bool = False,
                   credentials_file: str = "", layer_attempts: int = 3, push_after_publish: bool = False,
                   upload_chunk_bytes: int = 0, verify_pull: str = "file", https: bool = False, ca_file: str = "",
-                  timeout_s: float = 10.0) -> str:
+                  timeout_s: float = 10.0, extra: str = "") -> str:
     """Writes a daemon config with a [remote] table: plain HTTP (loopback)
-    unless ``https`` (verified against ``ca_file``, or the system store)."""
+    unless ``https`` (verified against ``ca_file``, or the system store);
+    ``extra``: more lines of the [remote] table."""
     with open(path, "w") as f:
         f.write("[remote]\n" + ("" if https else "insecure = true\n"))
         if ca_file:
@@ -363,4 +364,5 @@ def remote_config(path: str, *, registry: str = "", repository: str = "", pull_o
             f.write("push_after_publish = true\n")
         if credentials_file:
             f.write(f'credentials_file = "{credentials_file}"\n')
+        f.write(extra)
     return path

@@ -19,20 +19,24 @@ class PublishRequest(_message.Message):
     def __init__(self, plan: _Optional[_Union[PublishPlan, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., commit: _Optional[_Union[PublishCommit, _Mapping]] = ..., written: _Optional[_Union[FileWritten, _Mapping]] = ...) -> None: ...
 
 class PublishPlan(_message.Message):
-    __slots__ = ("identity_json", "files", "blocks", "ordered", "declared_content_digest", "file_handoff")
+    __slots__ = ("identity_json", "files", "blocks", "ordered", "declared_content_digest", "annotations_json", "file_handoff", "tensor_sha256")
     IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ORDERED_FIELD_NUMBER: _ClassVar[int]
     DECLARED_CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ANNOTATIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     FILE_HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_SHA256_FIELD_NUMBER: _ClassVar[int]
     identity_json: str
     files: _containers.RepeatedCompositeFieldContainer[FilePlan]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockPlan]
     ordered: bool
     declared_content_digest: str
+    annotations_json: str
     file_handoff: bool
-    def __init__(self, identity_json: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., blocks: _Optional[_Iterable[_Union[BlockPlan, _Mapping]]] = ..., ordered: _Optional[bool] = ..., declared_content_digest: _Optional[str] = ..., file_handoff: _Optional[bool] = ...) -> None: ...
+    tensor_sha256: bool
+    def __init__(self, identity_json: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., blocks: _Optional[_Iterable[_Union[BlockPlan, _Mapping]]] = ..., ordered: _Optional[bool] = ..., declared_content_digest: _Optional[str] = ..., annotations_json: _Optional[str] = ..., file_handoff: _Optional[bool] = ..., tensor_sha256: _Optional[bool] = ...) -> None: ...
 
 class FilePlan(_message.Message):
     __slots__ = ("name", "tensors", "declared_sha256")
@@ -141,10 +145,34 @@ class LookupRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class LookupReply(_message.Message):
-    __slots__ = ("manifest_json",)
+    __slots__ = ("manifest_json", "publisher")
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_FIELD_NUMBER: _ClassVar[int]
     manifest_json: str
-    def __init__(self, manifest_json: _Optional[str] = ...) -> None: ...
+    publisher: Publisher
+    def __init__(self, manifest_json: _Optional[str] = ..., publisher: _Optional[_Union[Publisher, _Mapping]] = ...) -> None: ...
+
+class Publisher(_message.Message):
+    __slots__ = ("via", "uid", "uid_known", "pid", "program", "published_unix", "source", "signer", "text")
+    VIA_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    UID_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    via: str
+    uid: int
+    uid_known: bool
+    pid: int
+    program: str
+    published_unix: int
+    source: str
+    signer: str
+    text: str
+    def __init__(self, via: _Optional[str] = ..., uid: _Optional[int] = ..., uid_known: _Optional[bool] = ..., pid: _Optional[int] = ..., program: _Optional[str] = ..., published_unix: _Optional[int] = ..., source: _Optional[str] = ..., signer: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "keepalive")
@@ -203,14 +231,16 @@ class AcquireLeaseRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
 
 class AcquireLeaseReply(_message.Message):
-    __slots__ = ("lease_id", "manifest_json", "blob_paths")
+    __slots__ = ("lease_id", "manifest_json", "blob_paths", "publisher")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     BLOB_PATHS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     manifest_json: str
     blob_paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_id: _Optional[str] = ..., manifest_json: _Optional[str] = ..., blob_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    publisher: Publisher
+    def __init__(self, lease_id: _Optional[str] = ..., manifest_json: _Optional[str] = ..., blob_paths: _Optional[_Iterable[str]] = ..., publisher: _Optional[_Union[Publisher, _Mapping]] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_id")
@@ -243,30 +273,50 @@ class ReportCorruptionReply(_message.Message):
     def __init__(self, quarantined: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdmitRegistrationRequest(_message.Message):
-    __slots__ = ("session_id", "nbytes", "label", "wait_ms")
+    __slots__ = ("session_id", "nbytes", "label", "wait_ms", "queue_ticket", "ranges")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TICKET_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     nbytes: int
     label: str
     wait_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., label: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    queue_ticket: str
+    ranges: _containers.RepeatedCompositeFieldContainer[PinnedRange]
+    def __init__(self, session_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., label: _Optional[str] = ..., wait_ms: _Optional[int] = ..., queue_ticket: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[PinnedRange, _Mapping]]] = ...) -> None: ...
+
+class PinnedRange(_message.Message):
+    __slots__ = ("key", "offset", "length")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    length: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class AdmitRegistrationReply(_message.Message):
-    __slots__ = ("admitted", "registration_id", "chunk_bytes", "reason", "detail")
+    __slots__ = ("admitted", "registration_id", "chunk_bytes", "reason", "detail", "queue_ticket", "retry_after_ms", "queue_position")
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TICKET_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     admitted: bool
     registration_id: str
     chunk_bytes: int
     reason: str
     detail: str
-    def __init__(self, admitted: _Optional[bool] = ..., registration_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    queue_ticket: str
+    retry_after_ms: int
+    queue_position: int
+    def __init__(self, admitted: _Optional[bool] = ..., registration_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., queue_ticket: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., queue_position: _Optional[int] = ...) -> None: ...
 
 class ReportRegistrationChunkRequest(_message.Message):
     __slots__ = ("session_id", "registration_id", "nbytes", "seconds")
@@ -331,7 +381,7 @@ class SourceDigest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., content_id: _Optional[str] = ..., size: _Optional[int] = ..., cached: _Optional[bool] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class ArtifactSummary(_message.Message):
-    __slots__ = ("key", "state", "contract_name", "contract_version", "producer_id", "producer_version", "size_bytes", "file_count", "tensor_count", "block_count", "created_unix", "lease_count", "last_leased_unix", "reason")
+    __slots__ = ("key", "state", "contract_name", "contract_version", "producer_id", "producer_version", "size_bytes", "file_count", "tensor_count", "block_count", "created_unix", "lease_count", "last_leased_unix", "reason", "publisher")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -346,6 +396,7 @@ class ArtifactSummary(_message.Message):
     LEASE_COUNT_FIELD_NUMBER: _ClassVar[int]
     LAST_LEASED_UNIX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_FIELD_NUMBER: _ClassVar[int]
     key: str
     state: str
     contract_name: str
@@ -360,7 +411,8 @@ class ArtifactSummary(_message.Message):
     lease_count: int
     last_leased_unix: int
     reason: str
-    def __init__(self, key: _Optional[str] = ..., state: _Optional[str] = ..., contract_name: _Optional[str] = ..., contract_version: _Optional[int] = ..., producer_id: _Optional[str] = ..., producer_version: _Optional[str] = ..., size_bytes: _Optional[int] = ..., file_count: _Optional[int] = ..., tensor_count: _Optional[int] = ..., block_count: _Optional[int] = ..., created_unix: _Optional[int] = ..., lease_count: _Optional[int] = ..., last_leased_unix: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    publisher: Publisher
+    def __init__(self, key: _Optional[str] = ..., state: _Optional[str] = ..., contract_name: _Optional[str] = ..., contract_version: _Optional[int] = ..., producer_id: _Optional[str] = ..., producer_version: _Optional[str] = ..., size_bytes: _Optional[int] = ..., file_count: _Optional[int] = ..., tensor_count: _Optional[int] = ..., block_count: _Optional[int] = ..., created_unix: _Optional[int] = ..., lease_count: _Optional[int] = ..., last_leased_unix: _Optional[int] = ..., reason: _Optional[str] = ..., publisher: _Optional[_Union[Publisher, _Mapping]] = ...) -> None: ...
 
 class ListArtifactsRequest(_message.Message):
     __slots__ = ()
@@ -579,7 +631,7 @@ class TransferProgress(_message.Message):
     def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., layers_done: _Optional[int] = ..., layers_total: _Optional[int] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("key", "reference", "manifest_digest", "bytes_transferred", "layers_transferred", "layers_skipped", "seconds", "already_present")
+    __slots__ = ("key", "reference", "manifest_digest", "bytes_transferred", "layers_transferred", "layers_skipped", "seconds", "already_present", "signature_digest", "signer")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -588,6 +640,8 @@ class TransferDone(_message.Message):
     LAYERS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_FIELD_NUMBER: _ClassVar[int]
     key: str
     reference: str
     manifest_digest: str
@@ -596,4 +650,6 @@ class TransferDone(_message.Message):
     layers_skipped: int
     seconds: float
     already_present: bool
-    def __init__(self, key: _Optional[str] = ..., reference: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., bytes_transferred: _Optional[int] = ..., layers_transferred: _Optional[int] = ..., layers_skipped: _Optional[int] = ..., seconds: _Optional[float] = ..., already_present: _Optional[bool] = ...) -> None: ...
+    signature_digest: str
+    signer: str
+    def __init__(self, key: _Optional[str] = ..., reference: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., bytes_transferred: _Optional[int] = ..., layers_transferred: _Optional[int] = ..., layers_skipped: _Optional[int] = ..., seconds: _Optional[float] = ..., already_present: _Optional[bool] = ..., signature_digest: _Optional[str] = ..., signer: _Optional[str] = ...) -> None: ...

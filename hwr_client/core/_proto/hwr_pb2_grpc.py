@@ -175,7 +175,9 @@ class RuntimeServicer:
         of at most chunk_bytes; otherwise refused with a reason, and the worker
         takes the staging path. A refusal is a normal reply, never an error.
         Bound to the calling session: the bytes return to the budget when the
-        session ends (exit, crash, SIGKILL).
+        session ends (exit, crash, SIGKILL). The call answers at once: a request
+        that must wait for the in-flight slot is queued (reason "queued") and
+        asks again with its ticket; no daemon thread waits for it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
