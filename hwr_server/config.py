@@ -65,6 +65,13 @@ class RemoteConfig:
     #: and size, while it downloads) or "full" (also re-hashes every tensor
     #: and block against the pulled manifest, as `hwr verify` does).
     verify_pull: str = "file"
+    #: Devices whose compile artifacts a pull of a weight artifact brings
+    #: along (its OCI referrers; hwr_server.remote.companions): "*" every
+    #: device, a kind ("cpu", "cuda": every capability) or an exact
+    #: "kind:capability" ("cuda:9.0", "cpu:avx512"); [] = none. Default ["*"]:
+    #: they are small next to weights. A worker's own miss of a compile
+    #: artifact still pulls it by its key.
+    compile_devices: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     #: Ed25519 private key (PEM, a file of the daemon's user, mode 0600;
     #: `hwr keys generate PATH`) that signs every push; "" = pushes are
     #: unsigned. Read at each push, so `hwr keys rotate` needs no restart.

@@ -204,6 +204,14 @@ class RemoteStore(SequenceStore, Protocol):
 
     def contains(self, key: str) -> bool: ...
 
+    def keys(self) -> list[str]:
+        """Published keys (a push finds a weight artifact's compile artifacts)."""
+        ...
+
+    def indexed(self, key: str) -> Manifest | None:
+        """The published manifest of ``key``, or None."""
+        ...
+
     def publisher(self, key: str) -> Publisher | None:
         """Who published ``key`` (a push spreads only trusted artifacts);
         None when it is not published."""

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from dlo_runtime.compile.settings import per_component
 from dlo_runtime.lazy.pipeline import LazyPipeline
 from dlo_runtime.lazy.policy import ComponentReport, Decision, module_class, plan_components, use_order_of
 from dlo_runtime.lazy.proxy import LazyComponent
@@ -164,6 +165,7 @@ def lazy_pipeline(
     offload: bool | None = None,
     socket: str | None = None,
     host_plan: str | None = None,
+    compile: Any = None,
     **pipeline_kwargs: Any,
 ) -> LazyPipeline:
     """A diffusers pipeline whose components load on first use through
@@ -183,6 +185,11 @@ def lazy_pipeline(
             :func:`dlo_runtime.placement.host_offload`; unified memory turns
             it off).
         host_plan: passed to :func:`from_pretrained` when given.
+        compile: ``from_pretrained``'s ``compile=`` for the deferred
+            components: True or a dict of ``torch.compile`` arguments (each
+            of them), or ``{component: True | {...}}``
+            (:func:`dlo_runtime.compile.per_component`); needs host
+            offload off (``offload=False`` on a GPU).
         **pipeline_kwargs: to the pipeline class's own ``from_pretrained``
             (``text_encoder=None``...).
 
@@ -214,6 +221,10 @@ def lazy_pipeline(
     lazy.checked = order
     passed = dict(pipeline_kwargs)
     final = [_defer(lazy, d, explicit=components is not None) if d.deferred else d for d in decisions]
+    lazy.compile = per_component(compile, [d.name for d in final if d.deferred])
+    if lazy.compile and decision.offload:
+        raise InvalidArgument(f"lazy_pipeline {pipe_dir}: compile= with host offload on {decision.device}: pass "
+                              "offload=False (torch.compile would trace the offload hooks)")
     for d in final:
         lazy.reports[d.name] = ComponentReport(d.name, d.deferred, d.why,
                                                release=_release_point(lazy, d.name) if d.deferred else "")

@@ -69,6 +69,7 @@ class LazyPipeline:
         self.pipe_dir, self.mode, self.dtype = pipe_dir, mode, dtype
         self.decision, self.socket, self.host_plan = decision, socket, host_plan
         self.components: dict[str, LazyComponent] = {}
+        self.compile: dict[str, Any] = {}  # name -> from_pretrained's compile= (dlo_runtime.compile)
         self.reports: dict[str, ComponentReport] = {}
         self.notes: list[str] = []
         self.calls = 0
@@ -104,6 +105,8 @@ class LazyPipeline:
         kwargs: dict[str, Any] = {}
         if self.host_plan is not None:
             kwargs["host_plan"] = self.host_plan
+        if name in self.compile:
+            kwargs["compile"] = self.compile[name]
         device = self.decision.device if self.decision.offload else None
         loaded = from_pretrained(self.pipe_dir, subfolder=name, mode=self.mode, dtype=self.dtype,
                                  device=device, socket=self.socket, progress=False, **kwargs)

@@ -52,7 +52,8 @@ class it names, the weight files), :mod:`~dlo_runtime.pretrained.weights`
 :mod:`~dlo_runtime.pretrained.eligibility` (what falls back, and how the
 report says so), :mod:`~dlo_runtime.pretrained.skeleton` (meta parameters,
 real buffers, blocks), :mod:`~dlo_runtime.pretrained.contract` (the
-contract); this one holds the call.
+contract), :mod:`~dlo_runtime.pretrained.publishing` (the publication
+after a cold start, in the background); this one holds the call.
 
 Example::
 
@@ -63,11 +64,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
-import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -76,12 +77,14 @@ from hwr_client.core.errors import FailedPrecondition, InvalidArgument, Unavaila
 from hwr_client.resolve import Mode, Outcome, parse_mode
 
 from dlo_runtime.background import wait_for_key
+from dlo_runtime.compile import attach_to_pretrained, settings_for_pretrained
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
 from dlo_runtime.pretrained.eligibility import (daemon_absent, decide, direct_map_refusal, no_daemon_message,
                                                  unused_keys_note, warn_fallback)
 from dlo_runtime.pretrained.files import ModelFiles, import_library, model_files, resolve_class
 from dlo_runtime.pretrained.hostplan import HOST_PLANS, CheckpointMapping, HostWeightPlan, describe, preflight
+from dlo_runtime.pretrained.publishing import publish_in_background
 from dlo_runtime.pretrained.skeleton import (check_loaded, dtype_of, find_blocks, nparams, parameters_on_meta,
                                               publish_groups)
 from dlo_runtime.restore import tensor_slots
@@ -111,6 +114,9 @@ class PretrainedReport:
         host_plan: the host-weight plan taken: ``"checkpoint-mmap"``,
             ``"hwr"`` or ``"ordinary"``; ``host_plan_reason`` why
             (:mod:`dlo_runtime.pretrained.hostplan`).
+        compile: with ``compile=``, the
+            :class:`~dlo_runtime.compile.CompileReport` (filled in at the
+            first call: hit / miss / published, seconds saved), else None.
     """
 
     outcome: str
@@ -129,6 +135,7 @@ class PretrainedReport:
     trail: list[str] = dataclasses.field(default_factory=list)
     host_plan: str = "hwr"
     host_plan_reason: str = ""
+    compile: Any = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready values."""
@@ -236,18 +243,6 @@ def _block_report(model: nn.Module, blocks: Sequence[nn.Module], report: Pretrai
                             "pass blocks=[...] to stream more")
 
 
-def _progress_printer(what: str) -> Callable[[int, int], None]:
-    last = [-1]
-
-    def show(done: int, total: int) -> None:
-        step = 100 * done // max(total, 1) // 25 * 25
-        if step > last[0]:
-            last[0] = step
-            print(f"{what} {step:3d}%  ({done >> 20} / {total >> 20} MiB)", file=sys.stderr, flush=True)
-
-    return show
-
-
 def from_pretrained(
     model_dir: str | os.PathLike[str],
     *,
@@ -264,6 +259,7 @@ def from_pretrained(
     host_plan: str = "hwr",
     variant: str | None = None,
     use_safetensors: bool | None = None,
+    compile: bool | Mapping[str, Any] = False,
 ) -> LoadedModel:
     """Loads a diffusers / transformers model through HWR (and DLO).
 
@@ -299,6 +295,11 @@ def from_pretrained(
             as the library's ``variant=``.
         use_safetensors: as the library's ``use_safetensors=`` (True:
             safetensors only; False: ``.bin`` only; None: safetensors first).
+        compile: True or a dict of ``torch.compile`` arguments: the model
+            is compiled in place and its first call restores a compile
+            artifact from HWR (or, without one, publishes one after the
+            first output); see :mod:`dlo_runtime.compile`. Needs
+            ``device=None``. The report is ``report.compile``.
 
     A model HWR cannot represent (:mod:`~dlo_runtime.pretrained.eligibility`:
     a custom loader, freshly initialized tensors, a byte-changing key
@@ -326,7 +327,10 @@ def from_pretrained(
     mode = parse_mode(mode)
     if host_plan not in HOST_PLANS:
         raise InvalidArgument(f"host_plan={host_plan!r}: expected one of {list(HOST_PLANS)}")
+    compiling = settings_for_pretrained(compile, device=device)
     files = model_files(os.fspath(model_dir), subfolder, variant=variant, use_safetensors=use_safetensors)
+    done = functools.partial(_compiled, settings=compiling, config_path=files.config_path, dtype=dtype, mode=mode,
+                             socket=socket)
     cls = resolve_class(files, model_class)
     target = dtype_of(dtype)
     seconds: dict[str, float] = {}
@@ -340,7 +344,8 @@ def from_pretrained(
         reason = decide(contract, mode=mode, host_plan=host_plan)
         if reason:
             note = warn_fallback(contract.name, reason)
-            return _fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0, Outcome.DISABLED, note)
+            return done(_fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0,
+                                  Outcome.DISABLED, note))
         notes += unused_keys_note(contract.name, contract.keys)
         seconds["keys"] = round(time.perf_counter() - t0 - seconds["skeleton"], 6)
     if host_plan == "checkpoint-mmap" or (host_plan == "auto" and mode is not Mode.REQUIRED):
@@ -351,7 +356,7 @@ def from_pretrained(
                 preflight(skeleton, files.weights, contract.blocks(skeleton),
                           transforms=("fuse_qkv",) if fuse_qkv else ()))
         if plan.accepted:
-            return _checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0, socket=socket)
+            return done(_checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0, socket=socket))
         if host_plan == "checkpoint-mmap":
             raise FailedPrecondition(f"{files.directory}: host_plan='checkpoint-mmap' refused by preflight: "
                                      f"{plan.reason}; use host_plan='auto' to fall back to HWR")
@@ -361,7 +366,7 @@ def from_pretrained(
         loaded = _disabled(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0)
         loaded.report.host_plan = "ordinary"
         loaded.report.host_plan_reason = describe(refused, "ordinary")
-        return loaded
+        return done(loaded)
     from dlo_runtime.options import OffloadOptions
     from dlo_runtime.transaction import ModelRecipe, StartupTransaction
 
@@ -384,8 +389,8 @@ def from_pretrained(
                               "start it (the daemon needs no options) or use mode='preferred'")
         note = no_daemon_message(client.socket)
         log.warning("from_pretrained %s: %s", contract.name, note)
-        return _fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0, Outcome.CANONICAL_FALLBACK,
-                         note)
+        return done(_fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0,
+                              Outcome.CANONICAL_FALLBACK, note))
     pending: list[bool] = []
     try:
         t = time.perf_counter()
@@ -421,38 +426,21 @@ def from_pretrained(
     loaded = LoadedModel(model, report, backend=backend, client=client, contract=contract)
     report.seconds = seconds  # before the publication starts: its end adds "publish" to this dict
     if pending:
-        loaded.publication = _publish_in_background(model, contract, identity, client.socket, report, progress)
+        loaded.publication = publish_in_background(model, contract, identity, client.socket, report, progress)
     seconds["total"] = round(time.perf_counter() - t0, 6)
     log.info("from_pretrained %s: %s in %.3fs (materialized %d bytes, %d producer calls)", contract.name,
              report.outcome, seconds["total"], report.bytes_materialized, report.producer_calls)
+    return done(loaded)
+
+
+def _compiled(loaded: LoadedModel, **how: Any) -> LoadedModel:
+    """``compile=``: the model compiled in place (:mod:`dlo_runtime.compile`)."""
+    try:
+        attach_to_pretrained(loaded, **how)
+    except BaseException:
+        loaded.close()
+        raise
     return loaded
-
-
-def _publish_in_background(model: nn.Module, contract: PretrainedContract, identity: Any, socket: str,
-                           report: PretrainedReport, progress: bool | Callable[[int, int], None]) -> Any:
-    """Starts the publication of a preferred miss on its own thread
-    (:mod:`dlo_runtime.background`); the start returns without waiting.
-    ``report.publish`` says ``running`` until it ends, then holds its report,
-    and ``report.seconds["publish"]`` its seconds."""
-    from dlo_runtime.background import RUNNING, BackgroundPublication
-
-    # On a CUDA device the backend moved the non-block tensors there:
-    # publication takes host bytes (these small copies are its own; the
-    # streamed blocks stay on the host and are read in place).
-    tensors = {s.name: s.tensor.detach() if s.tensor.device.type == "cpu" else s.tensor.detach().cpu()
-               for s in tensor_slots(model).slots}
-    show = (progress if callable(progress) else
-            _progress_printer(f"hwr: publishing {contract.name}") if progress else None)
-
-    def done(result: dict[str, Any]) -> None:
-        report.publish = result
-        report.seconds["publish"] = result["seconds"]
-        # After `publish_scheduled` (_step): what became of it, never "published" before it is.
-        report.trail.append(result["state"] if result["ok"] else f"publish_failed: {result['error']}")
-
-    report.publish = {"state": RUNNING, "ok": False, "key": identity.key}
-    return BackgroundPublication(socket, identity, tensors, blocks=publish_groups(model, contract.blocks(model)),
-                                 progress=show, on_done=done)
 
 
 def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: HostWeightPlan, device: Any,

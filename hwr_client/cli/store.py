@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 from hwr_client.core._proto import hwr_pb2 as pb
+from hwr_client.cli.compiled import belongs_to, compile_info
 from hwr_client.cli.common import add_json_flag, add_socket_flags, client_from, print_json, print_table
 from hwr_client.core.errors import DataLoss, InvalidArgument
 from hwr_client.core.identity import Identity
@@ -64,16 +65,18 @@ def _identity_of(raw: bytes, path: str) -> Identity:
 def _ls(args: argparse.Namespace) -> int:
     with client_from(args) as client:
         reply = client.call(client.reader.ListArtifacts, pb.ListArtifactsRequest())
-    rows = [_summary_dict(a) for a in reply.artifacts]
+        rows = [_summary_dict(a) for a in reply.artifacts]
+        belongs_to(client, rows)  # compile artifacts: the model and device each one is for
     if args.json:
-        print_json(rows)
+        print_json([{k: v for k, v in r.items() if k != "belongs_to_text"} for r in rows])
         return 0
     print_table(
         [[r["key"][:16], r["state"] + (f" ({r['reason']})" if r["reason"] else ""), f"{r['contract_name']}@"
           f"{r['contract_version']}", r["size_bytes"], r["file_count"], r["block_count"], r["lease_count"],
-          time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created_unix"])) if r["created_unix"] else "-"]
+          time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created_unix"])) if r["created_unix"] else "-",
+          r.get("belongs_to_text") or "-"]
          for r in rows],
-        ["KEY", "STATE", "CONTRACT", "BYTES", "FILES", "BLOCKS", "LEASES", "CREATED"],
+        ["KEY", "STATE", "CONTRACT", "BYTES", "FILES", "BLOCKS", "LEASES", "CREATED", "FOR"],
     )
     return 0
 
@@ -89,11 +92,16 @@ def _inspect(args: argparse.Namespace) -> int:
         reply = client.call(client.reader.InspectArtifact, pb.InspectArtifactRequest(key=args.key))
     leases = [{f.name: getattr(x, f.name) for f in x.DESCRIPTOR.fields} for x in reply.leases]
     manifest = json.loads(reply.manifest_json) if reply.manifest_json else None
+    compiled = compile_info(reply.manifest_json)
     if args.json:
-        print_json({"summary": _summary_dict(reply.summary), "manifest": manifest, "leases": leases})
+        print_json({"summary": _summary_dict(reply.summary), "manifest": manifest, "leases": leases,
+                    "compile": compiled})
         return 0
     for k, v in _summary_dict(reply.summary).items():
         print(f"{k:18} {v}")
+    if compiled:
+        print(f"{'compiled for':18} {compiled['describe']}")
+        print(f"{'publisher figures':18} {compiled['figures']}")
     if manifest:
         print(f"{'content_digest':18} {manifest['content_digest']}")
         for f in manifest["files"]:

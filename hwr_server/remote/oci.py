@@ -104,13 +104,17 @@ def file_titles(manifest: Manifest) -> list[str]:
     return [f"{f.index:05d}.safetensors" for f in manifest.files]
 
 
-def build_oci_manifest(manifest: Manifest, config: bytes) -> bytes:
+def build_oci_manifest(manifest: Manifest, config: bytes, *, subject: Mapping[str, Any] | None = None,
+                       extra_annotations: Mapping[str, str] | None = None) -> bytes:
     """The OCI image manifest of an artifact (module docstring), as the
     bytes that are pushed; their SHA-256 is the manifest digest.
 
     Args:
         manifest: the artifact's manifest.
         config: its manifest.json bytes as stored (the config blob).
+        subject: the descriptor of the manifest this one refers to (a
+            compile artifact's weights: hwr_server.remote.companions).
+        extra_annotations: added to the manifest's annotations.
     """
     doc = manifest.identity.document
     annotations = {
@@ -133,8 +137,10 @@ def build_oci_manifest(manifest: Manifest, config: bytes) -> bytes:
              "annotations": {FILEPATH_ANNOTATION: f.name, TITLE_ANNOTATION: title, "org.hwr.file.index": str(f.index)}}
             for f, title in zip(manifest.files, file_titles(manifest))
         ],
-        "annotations": annotations,
+        "annotations": {**annotations, **(extra_annotations or {})},
     }
+    if subject is not None:
+        oci["subject"] = dict(subject)
     return json.dumps(oci, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 

@@ -96,6 +96,7 @@ from hwr_server.remote.transfer import LayerPolicy, download_layer, link_stored,
 from hwr_server.store import commit as durable
 from hwr_server.store.recovery import verify_artifact
 from hwr_server.store.staging_io import os_error
+from hwr_server.remote import companions
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,8 @@ class Remote:
             raise
         self._count("pushes")
         self._count("push_bytes", out.bytes_transferred)
+        # The weights' compile artifacts go with them, as their referrers.
+        companions.push_companions(lambda k, r: self.push(k, r), self.store, key, ref)
         return out
 
     def _push(self, key: str, ref: Reference, tag: str, progress: ProgressFn) -> Transfer:
@@ -201,9 +204,12 @@ class Remote:
         rem = self.config.remote
         private = signing_key_of(rem.signing_key)  # an unfit key fails the push before any upload
         config = self.store.manifest_json(key).encode("utf-8")
-        oci = build_oci_manifest(manifest, config)
         client = self.client(ref.host)
         repo = ref.repository
+        # A compile artifact names its weights' manifest as its subject (a referrer).
+        subject = companions.subject_of(self.store, client, repo, manifest)
+        notes = companions.annotations_of(manifest)
+        oci = build_oci_manifest(manifest, config, subject=subject, extra_annotations=notes)
         layers = list({f.blob: (f, p) for f, p in zip(manifest.files, paths)}.values())
         counter = Counter(sum(f.size for f, _ in layers), len(layers), progress)
         sent = [0, 0]  # bytes, layers
@@ -237,6 +243,8 @@ class Remote:
         if digest and digest != digest_of(oci):
             raise FailedPrecondition(f"push {ref.host}/{repo}:{tag}: the registry names the manifest {digest}, "
                                      f"its bytes hash to {digest_of(oci)}")
+        if subject is not None:
+            companions.index_referrer(client, repo, oci, subject, companions.index_annotations(key, notes))
         signed = sign(client, repo, subject=oci, key=key, private=private) if private else None
         seconds = time.monotonic() - t0
         log.info("pushed %s to %s/%s:%s: %d of %d layers, %d bytes in %.2f s", key[:12], untrusted(ref.host), repo,
@@ -401,6 +409,9 @@ class Remote:
         if not done.already_present:
             self._count("pulls")
             self._count("pull_bytes", done.bytes_transferred)
+        # A weight artifact's compile artifacts for this node's devices come along.
+        companions.pull_companions(lambda r: self.pull(r), self.store, client, ref, done.key, done.manifest_digest,
+                                   self.config.remote.compile_devices)
         return done
 
     def _materialize(self, ref: Reference, client: RegistryClient, manifest: Manifest, oci_digest: str,

@@ -29,7 +29,7 @@ def test_dry_run_prints_the_plan_imports_everything_and_runs_nothing(tmp_path):
     proc = subprocess.run(["bash", "bench/gpu/run.sh", str(out), "--dry-run", "--wheels", str(tmp_path / "none")],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in ("probe", "pytest_cuda", "dlo_gpu", "startup_cuda"):
+    for name in ("probe", "pytest_cuda", "dlo_gpu", "startup_cuda", "compile_cuda"):
         assert name in proc.stdout
     assert "-m cuda -rs" in proc.stdout and "--device cuda" in proc.stdout
     assert "import FAILED" not in proc.stdout
@@ -52,7 +52,7 @@ def test_unknown_option_and_missing_out_are_refused():
 def test_plan_fits_five_minutes_and_collects_only_modules_with_cuda_tests():
     steps = runner.plan("/x")
     assert sum(s.timeout_s for s in steps) <= runner.BUDGET_S <= 300
-    assert [s.name for s in steps] == ["probe", "pytest_cuda", "dlo_gpu", "startup_cuda"]
+    assert [s.name for s in steps] == ["probe", "pytest_cuda", "dlo_gpu", "startup_cuda", "compile_cuda"]
     files = runner.cuda_test_files()
     assert "tests/runtime/test_dlo_cuda.py" in files and "tests/runtime/test_allgather_nccl.py" in files
     assert "tests/runtime/test_dlo_transports.py" not in files

@@ -74,7 +74,9 @@ class ReferrersRegistry:
                     docs = {d: (json.loads(body), len(body), media) for d, (body, media) in reg.manifests.items()
                             if d.startswith("sha256:")}
                     found = [{"mediaType": media, "digest": d, "size": size,
-                              "artifactType": doc.get("artifactType", "")}
+                              "artifactType": doc.get("artifactType", ""),
+                              # the spec: a referrer's annotations are in its descriptor
+                              **({"annotations": doc["annotations"]} if doc.get("annotations") else {})}
                              for d, (doc, size, media) in docs.items()
                              if (doc.get("subject") or {}).get("digest") == subject]
                     index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
