@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         arm_failpoint(os.environ.get("HWR_FAILPOINT", ""))
         return serve(config, dict(os.environ))
     except HwrError as exc:
-        log.error("%s", exc)
+        # One line on stderr (the journal under systemd): what is wrong and
+        # the fix; exit 2, the CLI's code for bad input.
         print(f"hwr serve: {exc}", file=sys.stderr)
         return 2
 

@@ -4,7 +4,14 @@ Read from a TOML file (``--config``) and overridden by CLI flags; both only in
 the CLI code (``hwr_server.cli``). Library code never reads the environment.
 Unknown keys are rejected so a typo cannot silently keep a default.
 
-Example ``/etc/hwr/config.toml``::
+Each field's ``#:`` comment is its documentation, and a ``# -- title --``
+line starts a group (plain ``#`` lines right after it explain the group):
+``python -m hwr_server.config_example`` writes every key, its default and
+that text into ``deploy/hwr.toml.example`` (tests/server/test_config_example.py
+fails when the two disagree). A new field needs a ``#:`` comment with its
+unit; then regenerate the example.
+
+A short ``/etc/hwr/hwr.toml``::
 
     root = "/var/lib/hwr"
     socket = "/run/hwr/hwr.sock"
@@ -34,14 +41,23 @@ from hwr_client.core.plan import PlanLimits
 _PLAN_DEFAULTS = PlanLimits()
 
 
+def is_size_key(key: str) -> bool:
+    """Whether a config key holds bytes (or bytes per second), so that it
+    takes a size like "64MiB" (:func:`hwr_client.core.defaults.parse_size`)."""
+    return key == "capacity" or key.endswith("_bytes") or key.endswith("_bytes_per_s")
+
+
 @dataclasses.dataclass
 class RemoteConfig:
     """The ``[remote]`` table: the OCI registry this node pulls from and
     pushes to (hwr_server.remote.remote; README "Many nodes")."""
 
-    #: ``host[:port]`` of the registry; "" = no remote (pull on miss off).
+    #: ``host[:port]`` of the registry (e.g. "registry.example:5000"); "" =
+    #: no remote. Needed, with repository, by pull_on_miss and
+    #: push_after_publish.
     registry: str = ""
-    #: Repository artifacts live in; the tag is the identity key.
+    #: Repository artifacts live in (e.g. "hwr/artifacts"); the tag is the
+    #: identity key.
     repository: str = ""
     #: A worker's resolve that misses locally asks the daemon to pull the key.
     pull_on_miss: bool = False
@@ -51,7 +67,9 @@ class RemoteConfig:
     ca_file: str = ""
     #: Plain HTTP instead of HTTPS (a loopback or lab registry only).
     insecure: bool = False
-    #: Docker-style ``config.json`` whose ``auths`` hold the credentials.
+    #: Docker-style ``config.json`` whose ``auths`` hold the credentials
+    #: (e.g. "/etc/hwr/registry.json"; mode 0600/0640, owner root or the
+    #: daemon's user); "" = anonymous.
     credentials_file: str = ""
     #: Layers downloaded (or uploaded) at once. Count.
     parallel_layers: int = 4
@@ -59,7 +77,8 @@ class RemoteConfig:
     upload_chunk_bytes: int = 0
     #: Attempts per layer download; each retry resumes with a Range request. Count.
     layer_attempts: int = 3
-    #: Seconds a registry connect or read may take.
+    #: Seconds a registry connect, a read, a response head or a small
+    #: answer may take.
     timeout_s: float = 30.0
     #: What a pull checks before its commit: "file" (every file's SHA-256
     #: and size, while it downloads) or "full" (also re-hashes every tensor
@@ -73,8 +92,9 @@ class RemoteConfig:
     #: artifact still pulls it by its key.
     compile_devices: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     #: Ed25519 private key (PEM, a file of the daemon's user, mode 0600;
-    #: `hwr keys generate PATH`) that signs every push; "" = pushes are
-    #: unsigned. Read at each push, so `hwr keys rotate` needs no restart.
+    #: `hwr keys generate /etc/hwr/signing.key` as that user) that signs
+    #: every push; "" = pushes are unsigned. Read at each push, so `hwr keys
+    #: rotate` needs no restart.
     signing_key: str = ""
     #: Public keys (`ssh-ed25519 AAAA...` lines, as `hwr keys show` prints)
     #: whose signature a pull requires: with any set, a pull or pull on a
@@ -114,7 +134,7 @@ class RemoteConfig:
         values: dict[str, Any] = {}
         defaults = cls()
         for k, v in doc.items():
-            if k.endswith("_bytes"):
+            if is_size_key(k):
                 values[k] = parse_size(v)
                 continue
             default = getattr(defaults, k)
@@ -133,15 +153,25 @@ class RemoteConfig:
 class ServerConfig:
     """Everything ``hwr serve`` can be told."""
 
-    #: Store root directory (one storage domain). Default: see default_paths.
+    # -- paths and sockets --
+    #: Store root directory (one filesystem; one daemon per root). Empty:
+    #: /var/lib/hwr as root, else $XDG_DATA_HOME/hwr (~/.local/share/hwr).
+    #: The systemd unit's StateDirectory creates /var/lib/hwr.
     root: str = ""
-    #: Runtime socket path (workers). Mode 0660.
+    #: Runtime socket, for workers: mode 0660, group ``socket_group``. Empty:
+    #: /run/hwr/hwr.sock as root, else $XDG_RUNTIME_DIR/hwr/hwr.sock.
     socket: str = ""
-    #: Admin socket path (operators). Mode 0600.
+    #: Admin socket, for operators (rm, gc, verify): mode 0600. Empty:
+    #: /run/hwr/admin.sock as root, else $XDG_RUNTIME_DIR/hwr/admin.sock.
     admin_socket: str = ""
-    #: Group that owns the runtime socket; "" keeps the daemon's group.
+    #: Group that owns the runtime socket: workers must be in it (``usermod
+    #: -aG GROUP USER``); anyone else is refused at connect. Empty: the
+    #: daemon's own group (``hwr`` under the systemd unit).
     socket_group: str = ""
-    #: Byte budget of the root; 0 = unlimited (only the disk's free space).
+    # -- capacity and garbage collection --
+    # GC deletes unleased artifacts, least recently leased first.
+    #: Byte budget of the root, e.g. "2TiB"; 0 = unlimited (only the disk's
+    #: free space). Sizes take B, KB/MB/GB/TB or KiB/MiB/GiB/TiB.
     capacity: int = 0
     #: GC starts above this fraction of capacity ...
     gc_high_watermark: float = 0.90
@@ -149,8 +179,12 @@ class ServerConfig:
     gc_low_watermark: float = 0.80
     #: Seconds between automatic capacity checks.
     gc_interval_s: float = 30.0
-    #: Directories the daemon may read canonical checkpoints from.
+    # -- canonical checkpoints --
+    #: Directories the daemon may read canonical checkpoints from, to hash
+    #: them once for all workers (absolute paths, e.g. ["/models"]);
+    #: elsewhere, clients hash locally.
     source_roots: list[str] = dataclasses.field(default_factory=list)
+    # -- sessions, leases and shutdown --
     #: Client keepalive period, milliseconds.
     keepalive_interval_ms: int = 5000
     #: A session without a keepalive for this long loses its leases, ms.
@@ -160,6 +194,7 @@ class ServerConfig:
     lease_grace_s: float = 60.0
     #: SIGTERM: in-flight calls get this long to finish. Seconds.
     shutdown_grace_s: float = 10.0
+    # -- publications --
     #: Largest payload chunk accepted, bytes.
     max_chunk_bytes: int = 4 * 1024 * 1024
     #: Publications running at once; more wait at plan. Count.
@@ -168,16 +203,18 @@ class ServerConfig:
     #: count for source files (a thread waiting on the disk leaves its core to
     #: another), CPU count for read-back and verification.
     hash_threads: int = 0
-    #: Prometheus: "127.0.0.1:9464" to serve on loopback, "" for none.
+    # -- metrics and scrub --
+    #: Prometheus endpoint, loopback only: "127.0.0.1:9464" serves /metrics;
+    #: "" for none.
     metrics_listen: str = ""
-    #: Prometheus textfile-collector path written periodically, "" for none.
+    #: Prometheus textfile-collector path (node_exporter) written
+    #: periodically, "" for none.
     metrics_textfile: str = ""
-    #: Seconds between textfile writes. Default 15.
+    #: Seconds between textfile writes.
     metrics_textfile_interval_s: float = 15.0
-    #: Background scrub rate, bytes/s; 0 disables scrubbing.
+    #: Background scrub: re-hash unleased artifacts at this rate, bytes/s
+    #: (e.g. "50MiB"); 0 disables scrubbing.
     scrub_bytes_per_s: int = 0
-    #: gRPC worker threads. Count.
-    grpc_threads: int = 64
     # -- source digests (ResolveSources) --
     #: Paths in one ResolveSources call; more is RESOURCE_EXHAUSTED before any
     #: file is looked at. Count. Default 4096: a real checkpoint has at most a
@@ -245,6 +282,8 @@ class ServerConfig:
     publication_min_bytes_per_s: int = 64 * 1024
 
     # -- threads, streams, sessions and peers (hwr_server.access.admission, .peers, .leases) --
+    #: gRPC worker threads per socket. Count.
+    grpc_threads: int = 64
     #: Client streams (Session, Publish) one process, as proven by the peer
     #: credentials handshake, may hold at once on one socket; more answer
     #: RESOURCE_EXHAUSTED before taking a thread. Count. Default 8 (a worker
@@ -317,7 +356,8 @@ class ServerConfig:
     max_registration_waiters_per_uid: int = 4
 
     # -- many nodes: the OCI registry (hwr_server.remote.remote) --
-    #: The ``[remote]`` table (see RemoteConfig).
+    #: The ``[remote]`` table (RemoteConfig): an OCI registry for `hwr push`
+    #: / `hwr pull` and pull on a miss (README "Many nodes").
     remote: RemoteConfig = dataclasses.field(default_factory=RemoteConfig)
 
     def resolved(self) -> "ServerConfig":
@@ -379,7 +419,7 @@ class ServerConfig:
             if k == "remote":
                 values[k] = RemoteConfig.from_mapping(v, what=what)
                 continue
-            if k == "capacity" or k.endswith("_bytes") or k.endswith("_bytes_per_s"):
+            if is_size_key(k):
                 values[k] = parse_size(v)
                 continue
             # k is one of our own field names (checked above): the default's

@@ -21,9 +21,11 @@ components in reverse order, release locks, exit 0.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import grp
 import logging
 import os
+import pwd
 import signal
 import socket as pysocket
 import threading
@@ -101,10 +103,9 @@ class Daemon:
     def start(self, environ: dict[str, str] | None = None) -> None:
         """Runs start-up steps 1–5; raises on any failure (nothing bound)."""
         cfg = self.config
-        os.makedirs(cfg.root, mode=0o755, exist_ok=True)
         # 1. Locks before binding: a second daemon must fail here, before
         #    grpcio would silently steal the first one's socket path.
-        self._locks.append(InstanceLock(os.path.join(cfg.root, "hwr.lock"), f"store root {cfg.root}").acquire())
+        self._locks.append(_lock_root(cfg.root))
         for path in (cfg.socket, cfg.admin_socket):
             runtime_dir.prepare_socket_dir(path)  # created private; refused if another user can change it
             self._locks.append(InstanceLock(path + ".lock", f"socket {path}").acquire())
@@ -329,6 +330,40 @@ def _refuse_live_socket(path: str) -> None:
         raise FailedPrecondition(f"socket {path}: another server is listening on it")
     finally:
         probe.close()
+
+
+def _lock_root(root: str) -> InstanceLock:
+    """Creates the store root if needed and takes its instance lock.
+
+    Raises:
+        InvalidArgument: the root cannot be created or written by this user
+            (a file there, a read-only or foreign directory): one line naming
+            the path, the reason and the fix, instead of a traceback.
+        FailedPrecondition: another daemon holds the root.
+    """
+    try:
+        os.makedirs(root, mode=0o755, exist_ok=True)
+        # The lock file alone may be writable in a directory that is not
+        # (left from an earlier owner): ask for the directory itself.
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), root)
+        return InstanceLock(os.path.join(root, "hwr.lock"), f"store root {root}").acquire()
+    except OSError as exc:
+        elsewhere = "pass another directory (`hwr serve --root DIR`, or `root = \"DIR\"` in the config file)"
+        if isinstance(exc, FileExistsError) or exc.errno == errno.ENOTDIR:
+            raise InvalidArgument(f"store root {root}: it, or a path above it, is a file, not a directory; "
+                                  f"{elsewhere}") from None
+        user = _user_name()
+        raise InvalidArgument(f"store root {root}: user {user} cannot create or write it "
+                              f"({exc.strerror or exc}); {elsewhere}, or give the directory to this user "
+                              f"(`chown -R {user} {root}`)") from None
+
+
+def _user_name() -> str:
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return str(os.geteuid())
 
 
 def _group_id(group: str) -> int:

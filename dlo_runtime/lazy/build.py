@@ -82,6 +82,10 @@ def _is_module(entry: Any) -> bool:
 
 def _read_index(pipe_dir: str) -> tuple[str, dict[str, Any]]:
     index_path = os.path.join(pipe_dir, "model_index.json")
+    if not os.path.isdir(pipe_dir):
+        from dlo_runtime.pretrained.hub import missing_directory
+
+        raise missing_directory(pipe_dir, "pipeline directory")
     if not os.path.isfile(index_path):
         raise NotFound(f"pipeline directory {pipe_dir}: no model_index.json; expected a diffusers pipeline")
     try:

@@ -39,6 +39,7 @@ from typing import Any
 
 from torch import nn
 
+from dlo_runtime.pretrained.hub import missing_directory
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound
 
 #: Libraries a directory can belong to, with the weight file stem each writes.
@@ -91,12 +92,16 @@ def model_files(model_dir: str, subfolder: str | None = None, *, variant: str | 
             only safetensors, False only ``.bin``, None prefers safetensors.
 
     Raises:
-        NotFound: no such directory, no ``config.json`` in it, or none of
-            the weight files the library would read (naming them).
+        NotFound: no such directory (a hub id: naming its local snapshot,
+            :mod:`dlo_runtime.pretrained.hub`), no ``config.json`` in it, or
+            none of the weight files the library would read (naming them).
         InvalidArgument: a config naming no class, a malformed index, or a
             bad ``variant``.
     """
     directory = os.path.join(model_dir, subfolder) if subfolder else model_dir
+    if not os.path.isdir(model_dir):
+        # A hub id the library would download: say so, and name its local snapshot.
+        raise missing_directory(model_dir, "model directory")
     if not os.path.isdir(directory):
         raise NotFound(f"model directory {directory}: no such directory")
     if variant is not None and (not isinstance(variant, str) or not variant or "/" in variant):

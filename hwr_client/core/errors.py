@@ -11,6 +11,13 @@ Messages name the object and the expectation, and the fix where there is one:
 
 from __future__ import annotations
 
+import grp
+import os
+import pwd
+import re
+import stat
+from typing import Any, Callable
+
 import grpc
 
 
@@ -134,10 +141,15 @@ def from_rpc_error(err: grpc.RpcError) -> HwrError:
 
     A connection failure (UNAVAILABLE) keeps its retryable meaning; a code we
     do not map (CANCELLED, DEADLINE_EXCEEDED, UNKNOWN) becomes Unavailable
-    when retry is safe or Internal otherwise.
+    when retry is safe or Internal otherwise. A socket that could not be
+    dialled says what is wrong and what to do (:func:`connect_failure`).
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
+    dial = connect_failure(details) if code == grpc.StatusCode.UNAVAILABLE else None
+    if dial is not None:
+        dial.__cause__ = err
+        return dial
     cls = _BY_CODE.get(code)
     trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
     for k, v in trailing or ():
@@ -150,3 +162,70 @@ def from_rpc_error(err: grpc.RpcError) -> HwrError:
     out = cls(details)
     out.__cause__ = err
     return out
+
+
+# -- a socket that could not be dialled ------------------------------------------
+
+#: grpc's words for a channel that reached none of its addresses.
+_DIAL_FAILED = "failed to connect to all addresses"
+#: The socket in grpc's text: ``addr: unix:PATH error: ...`` (grpc >= 1.60),
+#: or ``unix:PATH: <strerror>`` (older).
+_DIAL_ADDRESS = (re.compile(r"addr: unix:(\S+) error:"), re.compile(r"unix:(\S+?):? "))
+#: Where a client is told which socket to use.
+_POINT_IT = "or point the client at a running daemon's socket (`--socket PATH`, `HWR_SOCKET=PATH`, " \
+            "or `hwr_client.connect(PATH)`)"
+
+
+def connect_failure(details: str) -> HwrError | None:
+    """The error a failed dial of the daemon's Unix socket deserves, from
+    grpc's status text: what is wrong and what to do, in one line. None
+    when ``details`` is not a failed dial (the caller maps it as usual).
+
+    - no such file: no daemon there (Unavailable: start one, and a retry
+      then succeeds);
+    - connection refused: a socket file that nobody serves, left by a
+      daemon that stopped (Unavailable, the same advice);
+    - permission denied: the daemon's socket is there but this user may not
+      use it (PermissionDenied: no retry helps; the fix is ``socket_group``).
+    """
+    if _DIAL_FAILED not in details:
+        return None
+    socket = next((m.group(1) for m in (rx.search(details) for rx in _DIAL_ADDRESS) if m), "")
+    where = socket or "the daemon's socket"
+    if "Permission denied" in details:
+        return PermissionDenied(_refused_message(socket) if socket else
+                                f"{where}: this user may not connect to it (Permission denied); "
+                                "set the daemon's `socket_group` to a group of this user")
+    if "No such file or directory" in details:
+        return Unavailable(f"no HWR daemon at {where}: start one with `hwr serve` (it needs no options), "
+                           f"{_POINT_IT}")
+    if "Connection refused" in details:
+        return Unavailable(f"no HWR daemon at {where}: the socket file is there but nothing serves it (a "
+                           f"daemon that stopped); start `hwr serve`, {_POINT_IT}")
+    return None
+
+
+def _refused_message(socket: str) -> str:
+    """Why this user was refused at ``socket``, and the fix: the socket's
+    mode and group when it can be seen, else the directory in the way."""
+    user = _name(pwd.getpwuid, os.geteuid(), "pw_name")
+    try:
+        st = os.stat(socket)
+    except OSError:
+        return (f"socket {socket}: this user ({user}) may not reach it: a directory on its path is closed to "
+                f"this user (Permission denied). The daemon's socket directory must let the socket's group in "
+                f"(mode 0750 and that group, as the systemd unit makes /run/hwr); then set the daemon's "
+                f"`socket_group` to a group of this user and add the user to it (`usermod -aG GROUP {user}`)")
+    group = _name(grp.getgrgid, st.st_gid, "gr_name")
+    return (f"socket {socket} exists (mode {stat.S_IMODE(st.st_mode):04o}, group {group}) but this user ({user}) "
+            f"may not use it (Permission denied). Fix: the daemon's `socket_group` (config file, or `hwr serve "
+            f"--socket-group GROUP`) names the group that may; add this user to group {group} (`usermod -aG "
+            f"{group} {user}`, then log in again), or set socket_group to a group this user is in")
+
+
+def _name(lookup: Callable[[int], Any], ident: int, attr: str) -> str:
+    """A user's or group's name, or its number when it has none."""
+    try:
+        return str(getattr(lookup(ident), attr))
+    except KeyError:
+        return str(ident)

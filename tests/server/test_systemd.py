@@ -131,11 +131,14 @@ def test_unit_is_type_notify_with_watchdog_and_hardening():
 def test_example_config_is_accepted_and_matches_the_unit():
     cfg = ServerConfig.from_file(str(REPO / "deploy" / "hwr.toml.example")).validate()
     assert cfg.root == "/var/lib/hwr" and cfg.socket.startswith("/run/hwr/")
-    assert cfg.admin_socket.startswith("/run/hwr/") and cfg.socket_group == "hwr"
-    assert cfg.capacity > 0 and cfg.gc_low_watermark < cfg.gc_high_watermark
-    assert cfg.metrics_listen.startswith("127.0.0.1:")
+    assert cfg.admin_socket.startswith("/run/hwr/")
+    assert cfg.gc_low_watermark < cfg.gc_high_watermark
     svc = _unit()["Service"]
     assert "/etc/hwr/hwr.toml" in svc["ExecStart"]
+    # The example holds the defaults (tests/server/test_config_example.py):
+    # socket_group "" keeps the daemon's group, which the unit makes hwr,
+    # the group workers join.
+    assert cfg.socket_group == "" and svc["Group"] == "hwr"
 
 
 def test_tmpfiles_creates_socket_dir_for_the_group():
