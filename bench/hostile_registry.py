@@ -239,8 +239,8 @@ def forged_config(tensors: int, files: int = 1) -> tuple[str, bytes, Manifest]:
     for fi in range(files):
         n = min(per, tensors - fi * per)
         entries.append(FileEntry(fi, f"f{fi}", secrets.token_hex(32), 64 + 4 * n, "0" * 32, 64))
-        rows += [TensorEntry(f"t{fi}.{i}", fi, "F32", (1,), 64 + 4 * i, 4, "0" * 64) for i in range(n)]
-    digest = content_digest((t.name, t.dtype, t.shape, t.sha256) for t in rows)
+        rows += [TensorEntry(f"t{fi}.{i}", fi, "F32", (1,), 64 + 4 * i, 4, "", "0" * 32) for i in range(n)]
+    digest = content_digest((t.name, t.dtype, t.shape, t.digest) for t in rows)
     m = Manifest(ident.key, ident, digest, int(time.time()), tuple(entries), tuple(rows), ())
     return ident.key, m.to_json().encode(), m
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 import xxhash
@@ -289,6 +289,12 @@ def snapshot(module: nn.Module, regions: Sequence[Any] = ()) -> dict[str, Tensor
                     break
         out[s.name] = TensorSnapshot(ptr, nbytes, 0 if readonly else _digest(t))
     return out
+
+
+def snapshot_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSnapshot]:
+    """:func:`snapshot` of named tensors that need not belong to one module
+    (what a background publication reads); every tensor's bytes are hashed."""
+    return {name: TensorSnapshot(t.data_ptr(), t.nbytes, _digest(t)) for name, t in tensors.items()}
 
 
 def compare_snapshots(before: dict[str, TensorSnapshot], after: dict[str, TensorSnapshot]) -> list[str]:

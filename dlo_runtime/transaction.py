@@ -94,7 +94,9 @@ class ModelRecipe:
     streamed tensors are placeholders): it must take the full tensors then;
     the other ranks record ``publish_skipped``. A publisher that sends
     synchronously here holds the other ranks in their first collective for
-    its duration (bounded by ``collective_timeout_s``); the worker defers it.
+    its duration (bounded by ``collective_timeout_s``); the worker and
+    ``from_pretrained`` only take the tensors here and publish them after
+    serving, on a thread of their own (:mod:`dlo_runtime.background`).
     """
 
     build_skeleton: Callable[[], nn.Module]

@@ -148,6 +148,7 @@ class Worker:
         self.opts, self.contract, self.model, self.report = opts, contract, model, report
         self.handle, self.client, self.identity = handle, client, identity
         self._publish_pending = False
+        self.publication: Any = None
         #: AllGather group rank 0 after a miss: the full canonical tensors,
         #: taken before the backend sharded the model, kept only until
         #: :meth:`publish` has sent them (one transient copy on one rank).
@@ -172,27 +173,34 @@ class Worker:
         return {n: (t.detach() if t.device.type == "cpu" else t.detach().cpu())
                 for n, t in self.model.state_dict().items()}
 
-    def publish(self, **kwargs: Any) -> Any:
+    def publish(self, *, background: bool = False, **kwargs: Any) -> Any:
         """Preferred-mode miss: publish the runtime tensors for the next
-        start (never raises; returns the client's report)."""
+        start (never raises). Returns the client's report, or with
+        ``background`` the :class:`~dlo_runtime.background.BackgroundPublication`
+        at once (``report.publish``: its state, then its report)."""
         if not self._publish_pending or self.client is None:
             return None
         self._publish_pending = False
         source, self._publish_source = self._publish_source, None
-        if source is None and self.handle is not None and self.handle.stats.group_size > 1:
-            # An AllGather rank's model holds placeholders: only the group's
-            # rank 0 took the full tensors before sharding (see the
-            # transaction); any other rank has nothing to publish.
+        allgather = self.handle is not None and self.handle.stats.group_size > 1
+        if source is None and allgather:
+            # Placeholders: only the group's rank 0 kept the full tensors (see the transaction).
             self.report.publish = {"ok": False, "skipped": "AllGather rank: only shards are held"}
             return None
         tensors = source if source is not None else self.host_tensors()
-        allgather = self.handle is not None and self.handle.stats.group_size > 1
         bad = next((n for n, t in tensors.items() if allgather and is_placeholder(t)), None)
         if bad is not None:
             # Never a placeholder into the store: the artifact would serve NaN.
             self.report.publish = {"ok": False, "refused": f"{bad} is an AllGather placeholder, not a weight"}
             log.error("publish refused: %s", self.report.publish["refused"])
             return None
+        if background:  # its own connection and references: the worker may close meanwhile
+            from dlo_runtime.background import RUNNING, BackgroundPublication
+
+            self.report.publish = {"state": RUNNING, "ok": False, "key": self.identity.key}
+            self.publication = BackgroundPublication(self.client.socket, self.identity, tensors, **kwargs,
+                                                     on_done=lambda result: setattr(self.report, "publish", result))
+            return self.publication
         t0 = time.perf_counter()
         report = self.client.publish_after_load(self.identity, tensors, **kwargs)
         del tensors, source  # rank 0's full copy goes once it is published
@@ -201,7 +209,8 @@ class Worker:
         return report
 
     def close(self) -> None:
-        """Tears down the backend (which closes its lease), then the client."""
+        """Tears down the backend (which closes its lease), then the client
+        (a background publication has its own: :mod:`dlo_runtime.background`)."""
         handle, self.handle = self.handle, None
         if handle is not None:
             handle.close()

@@ -157,17 +157,21 @@ class Client(RuntimeChannel):
         file_target_bytes: int = FILE_TARGET_BYTES,
         progress: Callable[[int, int], None] | None = None,
         seed: int | None = None,
+        handoff: bool = True,
+        before_commit: Callable[[], None] | None = None,
+        cancel: threading.Event | None = None,
         annotations: Mapping[str, Any] | None = None,
     ) -> PublishReport:
         """Publishes CPU tensors as a final-layout artifact; see
-        :func:`hwr_client.publish.publish` for the options and errors."""
+        :func:`hwr_client.publish.publish` for the options (``handoff``,
+        ``before_commit``, ``cancel`` among them) and errors."""
         # hwr_client.publish imports torch: imported on use, so importing the
         # client (the CLI, admin tools) does not load torch.
         from hwr_client.publish import publish
 
         return publish(self, identity, tensors, blocks=blocks, ordered=ordered,
-                       file_target_bytes=file_target_bytes, progress=progress, seed=seed,
-                       annotations=annotations)
+                       file_target_bytes=file_target_bytes, progress=progress, seed=seed, handoff=handoff,
+                       before_commit=before_commit, cancel=cancel, annotations=annotations)
 
     def acquire(self, key: str, *, verify: str = "none") -> Lease:
         """Takes a lease on a published artifact and maps it; see

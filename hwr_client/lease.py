@@ -9,7 +9,8 @@ mapped bytes against the manifest before anyone uses them:
 * ``verify="none"`` (default): trust the store (it verified at publication).
 * ``"fast"``: xxh3-128 of every file (one pass: every byte of every
   block); the blocks of a mismatching file are hashed too, to name them.
-* ``"full"``: SHA-256 of every file and every tensor, one pass per file.
+* ``"full"``: SHA-256 of every file and the digest of every tensor (the
+  manifest format's: xxh3-128, or SHA-256 for format 1), one pass per file.
 
 A mismatch is reported to the daemon (which re-verifies on its own and
 quarantines only if it agrees), the lease is closed, and FailedPrecondition
@@ -215,14 +216,16 @@ class VerifyReport:
         return not self.problems
 
 
-def _hash_file(data: memoryview, ranges: list[tuple[int, int]], new: Callable[[], Any]) -> tuple[str, list[str]]:
-    """One pass over ``data``: the whole-file digest and one digest per
-    (disjoint, sorted) range, each chunk read once and fed to both."""
+def _hash_file(data: memoryview, ranges: list[tuple[int, int]], new: Callable[[], Any],
+               new_part: Callable[[], Any] | None = None) -> tuple[str, list[str]]:
+    """One pass over ``data``: the whole-file digest (``new``) and one digest
+    per (disjoint, sorted) range (``new_part``, default ``new``), each chunk
+    read once and fed to both."""
     whole, parts, pos = new(), [], 0
     for begin, end in ranges:
         for a in range(pos, begin, _CHUNK):
             whole.update(data[a:min(a + _CHUNK, begin)])
-        part = new()
+        part = (new_part or new)()
         for a in range(begin, end, _CHUNK):
             chunk = data[a:min(a + _CHUNK, end)]
             whole.update(chunk)
@@ -253,21 +256,26 @@ def _file_problems(mapped: MappedArtifact, index: int, mode: str) -> tuple[list[
         expected = [(f"block {b.index} ({b.prefix})", b.xxh3_128) for b in blocks]
         parts = [_hash_file(data[b.begin:b.end], [], xxhash.xxh3_128)[0] for b in blocks]
         file_expected, algo = entry.xxh3_128, "xxh3-128"
+        part_algo = algo
         hashed = len(data) + sum(b.nbytes for b in blocks)
     else:
-        # Full: every tensor's SHA-256 too, in the same pass (each chunk is
-        # read once and fed to both hashers), so the manifest's per-tensor
-        # digests are proven as well, not just the file.
+        # Full: every tensor's digest too, in the same pass (each chunk is
+        # read once and fed to both hashers). The file's SHA-256 proves every
+        # byte; a tensor's digest is the manifest format's (xxh3-128; SHA-256
+        # in format 1) and names the damaged tensor.
         tensors = sorted((t for t in m.tensors if t.file == index), key=lambda t: t.offset)
         ranges = [(t.offset, t.offset + t.nbytes) for t in tensors]
-        expected = [(f"tensor {t.name!r}", t.sha256) for t in tensors]
-        whole, parts = _hash_file(data, ranges, hashlib.sha256)
+        expected = [(f"tensor {t.name!r}", t.digest) for t in tensors]
+        part = hashlib.sha256 if m.format_version == 1 else xxhash.xxh3_128
+        whole, parts = _hash_file(data, ranges, hashlib.sha256, part)
         file_expected, algo = entry.blob, "sha256"
+        part_algo = "sha256" if m.format_version == 1 else "xxh3-128"
         hashed = len(data)
     problems = []
     if whole != file_expected:
         problems.append(f"file {index} ({entry.name}): {algo} {whole}, expected {file_expected}")
-    problems += [f"{what}: {algo} {got}, expected {want}" for (what, want), got in zip(expected, parts) if got != want]
+    problems += [f"{what}: {part_algo} {got}, expected {want}" for (what, want), got in zip(expected, parts)
+                 if got != want]
     return problems, hashed, 1 + len(expected)
 
 

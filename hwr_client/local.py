@@ -30,7 +30,7 @@ def write_artifact(directory: str, plan: PlanSpec, tensors: Mapping[str, torch.T
     checked = check_plan(plan)
     os.makedirs(directory, exist_ok=True)
     file_digests, paths = [], []
-    tensor_digests = {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in tensors.items()}
+    tensor_digests = {n: xxhash.xxh3_128(tensor_bytes(t)).hexdigest() for n, t in tensors.items()}
     for lay in checked.layouts:
         # A temp name per attempt (not per process): two writers in one
         # process, or a thread and a forked child, never share a file.

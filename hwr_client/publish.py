@@ -2,20 +2,27 @@
 
 One bidirectional stream: the plan goes first; the daemon answers with the
 layout (or "already published", or an error: conflict, capacity, bad plan)
-BEFORE any payload is sent; then the payload follows in messages of about
-4 MiB (small tensors and padding coalesced, large tensors sliced); then the
-commit. The request iterator is a generator that grpc pulls from its own
-thread, so at most a few messages are ever materialized: memory does not
-grow with the artifact.
+BEFORE any payload is sent; then the payload; then the commit.
 
-Unordered mode sends the same chunks in a shuffled order; it exists for
-producers that cannot write sequentially (the daemon then hashes by
-read-back, which costs a second pass over the bytes).
+The payload takes one of two transports. **Handoff** (the default where the
+daemon's handoff socket is reachable): the client receives each staging
+file's descriptor from the daemon (:mod:`hwr_client.handoff`), writes the
+file's data region into it straight from the tensors (one copy, by
+``pwrite``, into the page cache), closes it and sends ``written``; the
+daemon seals, hashes and fsyncs each file while the next one is written.
+**Messages** (otherwise, or ``handoff=False``): messages of about 4 MiB
+(small tensors and padding coalesced, large tensors sliced) from a
+generator that grpc pulls from its own thread, so at most a few messages
+are ever materialized: memory does not grow with the artifact.
+
+Unordered mode writes the files in a shuffled order (messages: shuffled
+chunks); it exists for producers that cannot write sequentially.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import random
 import threading
@@ -26,8 +33,10 @@ import grpc
 import torch
 
 from hwr_client.channel import RuntimeChannel, quiesce
+from hwr_client import handoff as _handoff
 from hwr_client.core._proto import hwr_pb2 as pb
-from hwr_client.core.errors import Internal, InvalidArgument, from_rpc_error
+from hwr_client.core.defaults import HANDOFF_SOCKET_SUFFIX
+from hwr_client.core.errors import Aborted, Internal, InvalidArgument, from_rpc_error
 from hwr_client.core.identity import Identity
 from hwr_client.core.manifest import Manifest
 from hwr_client.core.plan import FILE_TARGET_BYTES, CheckedPlan, PlanSpec, check_plan, to_proto
@@ -45,9 +54,10 @@ class PublishReport:
 
     key: str
     manifest: Manifest
-    bytes_written: int  # payload bytes the daemon wrote (0 when already published)
+    bytes_written: int  # payload bytes the publication wrote (0 when already published)
     already_published: bool
     seconds: float
+    transport: str = ""  # "handoff", "messages", or "" when already published
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,39 +167,101 @@ def _check_layout(checked: CheckedPlan, accepted: pb.PublishAccepted) -> None:
                            "(version mismatch?)")
 
 
+_COMMIT = pb.PublishRequest(commit=pb.PublishCommit())
+#: How often the caller looks at the call while it waits for grpc's thread, seconds.
+_POLL_S = 0.05
+
+
 class _Requests:
-    """The request stream: plan, then (after ``accepted``) payload, then
-    commit. grpc pulls it from its own thread; ``start`` releases it."""
+    """The request stream: the plan, then what the caller puts: the message
+    payload (``chunks``: produced here, in grpc's thread), handoff messages,
+    the commit. grpc pulls it from its own thread."""
 
     def __init__(self, plan: pb.PublishPlan, pieces: Callable[[], Iterator[_Piece]],
-                 progress: Callable[[int, int], None] | None, total: int):
+                 progress: Callable[[int, int], None] | None, total: int, cancel: threading.Event | None):
         self.plan = plan
         self.pieces = pieces
         self.progress = progress
         self.total = total
+        self.cancel = cancel
         self.sent = 0
-        self._go: queue.Queue = queue.Queue()
+        self.chunks_sent = threading.Event()
+        self._q: queue.Queue = queue.Queue()
         self.consumer: threading.Thread | None = None  # grpc's thread that pulls this iterator
 
-    def start(self, send_payload: bool) -> None:
-        self._go.put(send_payload)
+    def chunks(self) -> None:
+        self._q.put("chunks")
+
+    def send(self, request: pb.PublishRequest) -> None:
+        self._q.put(request)
 
     def stop(self) -> None:
-        self._go.put(None)  # the call ended: let a waiting generator finish
+        self._q.put(None)  # the call ended: let a waiting generator finish
 
     def __iter__(self) -> Iterator[pb.PublishRequest | bytes]:
         self.consumer = threading.current_thread()
         yield pb.PublishRequest(plan=self.plan)
-        send = self._go.get()  # waits for the daemon's answer to the plan
-        if send is None:
+        while (item := self._q.get()) is not None:
+            if isinstance(item, str):
+                for piece in self.pieces():
+                    if self.cancel is not None and self.cancel.is_set():
+                        break  # the caller sees it and cancels the call; never a commit
+                    yield piece.request()
+                    self.sent += piece.nbytes
+                    if self.progress is not None:
+                        self.progress(self.sent, self.total)
+                self.chunks_sent.set()
+            else:
+                yield item
+
+
+def _handoff_reachable(socket: str) -> bool:
+    """The handoff socket exists and this process may connect to it (a Unix
+    socket takes a connection from whoever may write the file)."""
+    path = socket + HANDOFF_SOCKET_SUFFIX
+    return os.path.exists(path) and os.access(path, os.W_OK)
+
+
+def _send_handed(client: RuntimeChannel, reqs: _Requests, events: Any, checked: CheckedPlan, token: str,
+                 tensors: Mapping[str, torch.Tensor], order: list[int]) -> int:
+    """The handoff payload: each file's descriptor from the daemon, written,
+    closed, reported; returns the data bytes written."""
+    done = 0
+
+    def report(i: int, nbytes: int, complete: bool) -> None:
+        reqs.send(pb.PublishRequest(written=pb.FileWritten(file_index=i, data_bytes=nbytes, complete=complete)))
+
+    for i in order:
+        if events.done():
+            return done  # the daemon ended the call: its status says why
+        lay = checked.layouts[i]
+        fd = _handoff.receive_descriptor(client.socket, token, i)
+        try:
+            def progress(nbytes: int, i: int = i) -> None:
+                report(i, nbytes, False)  # also keeps the publication within the daemon's idle deadline
+                if reqs.progress is not None:
+                    reqs.progress(done + nbytes, reqs.total)
+
+            cancel = reqs.cancel
+            cancelled = cancel.is_set if cancel is not None else (lambda: False)
+            written = _handoff.write_file(fd, lay, tensors, progress=progress, cancelled=cancelled)
+        finally:
+            # Closed before `written` is sent: the daemon seals the file only
+            # once no writable descriptor of it is left anywhere.
+            os.close(fd)
+        done += written
+        report(i, written, True)
+        if reqs.progress is not None:
+            reqs.progress(done, reqs.total)
+    return done
+
+
+def _wait_chunks(reqs: _Requests, events: Any) -> None:
+    """Waits until grpc's thread sent the message payload, the call ended,
+    or the caller cancelled."""
+    while not reqs.chunks_sent.wait(_POLL_S):
+        if events.done() or (reqs.cancel is not None and reqs.cancel.is_set()):
             return
-        if send:
-            for piece in self.pieces():
-                yield piece.request()
-                self.sent += piece.nbytes
-                if self.progress is not None:
-                    self.progress(self.sent, self.total)
-        yield pb.PublishRequest(commit=pb.PublishCommit())
 
 
 def publish(
@@ -202,6 +274,9 @@ def publish(
     file_target_bytes: int = FILE_TARGET_BYTES,
     progress: Callable[[int, int], None] | None = None,
     seed: int | None = None,
+    handoff: bool = True,
+    before_commit: Callable[[], None] | None = None,
+    cancel: threading.Event | None = None,
     annotations: Mapping[str, Any] | None = None,
 ) -> PublishReport:
     """Publishes a mapping of CPU tensors as a final-layout artifact.
@@ -213,12 +288,19 @@ def publish(
         tensors: name -> CPU tensor.
         blocks: name groups in execution order; None derives them from names
             (``blocks.N.``, ``layers.N.``, ``transformer_blocks.N.``).
-        ordered: send strictly sequentially (fastest; the daemon hashes while
-            writing). False sends chunks shuffled (producers that cannot
-            write in order; the daemon hashes by read-back).
+        ordered: write strictly sequentially (fastest: the daemon hashes
+            file i while file i+1 is written). False writes the files (on
+            the message transport: the chunks) in a shuffled order.
         file_target_bytes: split block files at about this size.
-        progress: called with (bytes sent, total bytes) after each message.
+        progress: called with (bytes written, total bytes) as the payload goes.
         seed: shuffle seed for unordered mode (None: random).
+        handoff: use the handoff transport where the daemon offers it (see
+            the module docstring); False always sends messages.
+        before_commit: called once every payload byte is written and before
+            the commit is sent; whatever it raises ends the call with
+            nothing published, and is re-raised.
+        cancel: set from any thread to end the publication before its
+            commit (nothing published, the staging removed): Aborted.
         annotations: an opaque ``{"schema_version": 1, "data": {...}}``
             object stored in the manifest (:mod:`hwr_client.core.annotations`).
 
@@ -227,8 +309,10 @@ def publish(
 
     Raises:
         InvalidArgument: bad tensors or plan. Aborted: the same key is being
-        published by someone else. ResourceExhausted: no space.
-        FailedPrecondition: a declared digest mismatched. Unavailable: no daemon.
+        published by someone else, or ``cancel`` was set. ResourceExhausted:
+        no space. FailedPrecondition: a declared digest mismatched, or a
+        staging file was still open for writing when reported written.
+        Unavailable: no daemon.
 
     Example:
         >>> report = publish(client, identity, {"blocks.0.w": w})  # doctest: +SKIP
@@ -238,7 +322,8 @@ def publish(
     plan = build_plan(identity, tensors, blocks=blocks, ordered=ordered, file_target_bytes=file_target_bytes)
     if annotations is not None:
         plan = dataclasses.replace(plan, annotations=annotations)
-    return publish_plan(client, plan, tensors, progress=progress, seed=seed, started=t0)
+    return publish_plan(client, plan, tensors, progress=progress, seed=seed, started=t0, handoff=handoff,
+                        before_commit=before_commit, cancel=cancel)
 
 
 def publish_plan(
@@ -249,6 +334,9 @@ def publish_plan(
     progress: Callable[[int, int], None] | None = None,
     seed: int | None = None,
     started: float | None = None,
+    handoff: bool = True,
+    before_commit: Callable[[], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> PublishReport:
     """Publishes ``tensors`` laid out as ``plan`` says: for a caller that
     chose the files itself (an integration keeping its producer's sharding).
@@ -258,9 +346,10 @@ def publish_plan(
         plan: the plan (:func:`hwr_client.tensors.build_plan` makes one);
             every planned tensor must be in ``tensors`` with its dtype and shape.
         tensors: name -> CPU tensor.
-        progress: called with (bytes sent, total bytes) after each message.
+        progress: called with (bytes written, total bytes) as the payload goes.
         seed: shuffle seed for unordered mode (None: random).
         started: ``time.monotonic()`` at which the report's clock starts.
+        handoff, before_commit, cancel: as :func:`publish`.
 
     Returns and Raises: as :func:`publish`.
     """
@@ -271,6 +360,9 @@ def publish_plan(
         raise InvalidArgument(f"publication: planned tensors {missing[:5]} are not in the tensor mapping")
     checked = check_plan(plan)
     _check_tensors(checked, tensors)
+    msg = to_proto(plan)
+    msg.file_handoff = handoff and _handoff_reachable(client.socket)
+    accepted_max = [0]
 
     def pieces() -> Iterator[_Piece]:
         size = min(MESSAGE_BYTES, accepted_max[0] or MESSAGE_BYTES)
@@ -281,9 +373,9 @@ def publish_plan(
         random.Random(seed).shuffle(shuffled)
         return iter(shuffled)
 
-    accepted_max = [0]
     # Progress counts payload (data-region) bytes: headers are the daemon's to write.
-    reqs = _Requests(to_proto(plan), pieces, progress, sum(lay.data_size for lay in checked.layouts))
+    reqs = _Requests(msg, pieces, progress, sum(lay.data_size for lay in checked.layouts), cancel)
+    transport, sent = "", 0
     try:
         stream = client.channel.stream_stream(
             PUBLISH_METHOD, request_serializer=_serialize, response_deserializer=pb.PublishEvent.FromString
@@ -296,7 +388,15 @@ def publish_plan(
             accepted = first.accepted
             _check_layout(checked, accepted)
             accepted_max[0] = int(accepted.max_chunk_bytes)
-            reqs.start(not accepted.already_published)
+            if not accepted.already_published:
+                transport, sent = _send_payload(client, reqs, events, checked, accepted, tensors, ordered, seed)
+                if not events.done():
+                    if cancel is not None and cancel.is_set():
+                        raise Aborted(f"publish {accepted.key[:12]}: cancelled before the commit; nothing was "
+                                      "published")
+                    if before_commit is not None:
+                        before_commit()
+            reqs.send(_COMMIT)
             last = next(events)
             # The daemon ends the call after `committed`: wait for its status
             # so no grpc thread still works on this call when we return.
@@ -304,8 +404,13 @@ def publish_plan(
                 raise Internal(f"publish: the daemon sent {extra.WhichOneof('kind')!r} after `committed`")
         except StopIteration:
             raise Internal("publish: the daemon closed the stream without an answer") from None
+        except BaseException:
+            events.cancel()  # nothing is published: the daemon removes the staging at once
+            raise
     except grpc.RpcError as err:
         raise from_rpc_error(err) from None
+    except _handoff.Cancelled:
+        raise Aborted(f"publish {plan.identity.key[:12]}: cancelled while writing; nothing was published") from None
     finally:
         reqs.stop()
         quiesce(reqs.consumer)  # see quiesce: no grpc thread may outlive the call
@@ -314,7 +419,21 @@ def publish_plan(
     if done.key != plan.identity.key:
         raise Internal(f"publish: daemon committed {done.key[:12]}, expected {plan.identity.key[:12]}")
     return PublishReport(done.key, manifest, int(done.bytes_written), bool(done.already_published),
-                         time.monotonic() - t0)
+                         time.monotonic() - t0, transport if not done.already_published else "")
+
+
+def _send_payload(client: RuntimeChannel, reqs: _Requests, events: Any, checked: CheckedPlan,
+                  accepted: pb.PublishAccepted, tensors: Mapping[str, torch.Tensor], ordered: bool,
+                  seed: int | None) -> tuple[str, int]:
+    """The payload on the transport the daemon granted; returns (transport, bytes)."""
+    if not accepted.handoff_token:
+        reqs.chunks()
+        _wait_chunks(reqs, events)
+        return "messages", reqs.sent
+    order = list(range(len(checked.layouts)))
+    if not ordered:
+        random.Random(seed).shuffle(order)
+    return "handoff", _send_handed(client, reqs, events, checked, accepted.handoff_token, tensors, order)
 
 
 __all__ = ["MESSAGE_BYTES", "PublishReport", "publish", "publish_plan"]

@@ -13,6 +13,7 @@ from hwr_server.access.trust import TrustPolicy
 from hwr_server.gc.collector import Collector
 from hwr_server.leases.manager import LeaseManager
 from hwr_server.metrics import Metrics
+from hwr_server.publish.handoff import HandoffListener
 from hwr_server.registration.admission import RegistrationAdmission
 from hwr_server.remote.remote import Remote
 from hwr_server.sources.cache import SourceCache
@@ -38,3 +39,6 @@ class Components:
     remote: Remote
     #: Whose artifacts each caller takes (README "Trust").
     trust: TrustPolicy
+    #: The handoff socket of the publications' handoff transport; None where
+    #: it is not offered (not bound, or file leases unavailable).
+    handoff: HandoffListener | None = None

@@ -262,6 +262,11 @@ class ServerConfig:
     #: flight (its first may be as large as capacity allows). Bytes; 0 = half
     #: of ``capacity``, or half of the disk without one.
     peer_reserved_bytes: int = 0
+    #: Nice increment of the threads that hash and fsync a handed-over
+    #: publication's files (0..19; 0 = the daemon's own priority). Publication
+    #: is for the next start: on a busy node the serving workers' threads come
+    #: first. Default 10.
+    publication_nice: int = 10
     #: Publications the processes of one uid run at once, together; the next
     #: waits for one of that uid's own, holding no global slot. Root and the
     #: daemon's own uid are not capped by it (the node's operator). Count;
@@ -374,6 +379,8 @@ class ServerConfig:
                 f"config: expected 0 < gc_low_watermark ({self.gc_low_watermark}) < gc_high_watermark "
                 f"({self.gc_high_watermark}) <= 1"
             )
+        if not 0 <= self.publication_nice <= 19:
+            raise InvalidArgument(f"config: publication_nice {self.publication_nice}: expected 0..19")
         if self.keepalive_timeout_ms < 2 * self.keepalive_interval_ms:
             raise InvalidArgument(
                 f"config: keepalive_timeout_ms ({self.keepalive_timeout_ms}) must be at least twice "

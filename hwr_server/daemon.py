@@ -35,7 +35,7 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hwr_client.core.defaults import MESSAGE_OPTIONS, PEER_SOCKET_SUFFIX
+from hwr_client.core.defaults import HANDOFF_SOCKET_SUFFIX, MESSAGE_OPTIONS, PEER_SOCKET_SUFFIX
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument
 from hwr_server.access import peers, runtime_dir
 from hwr_server.access.admission import Deadlines, StreamAdmission
@@ -47,6 +47,8 @@ from hwr_server.gc.collector import Collector
 from hwr_server.interfaces import Lifecycle, StatsSource
 from hwr_server.leases.manager import LeaseManager
 from hwr_server.metrics import Metrics, StoreStats
+from hwr_server.publish.handed import leases_work
+from hwr_server.publish.handoff import HandoffListener
 from hwr_server.registration.admission import RegistrationAdmission
 from hwr_server.remote.remote import Remote
 from hwr_server.remote.signing import parse_trusted_keys
@@ -118,6 +120,7 @@ class Daemon:
         self._bind(cfg.socket, components, admin=False, mode=0o660, group=cfg.socket_group)
         self._bind(cfg.admin_socket, components, admin=True, mode=0o600, group="")
         self._bind_peer_socket(cfg.socket + PEER_SOCKET_SUFFIX, authority, mode=0o660, group=cfg.socket_group)
+        self._bind_handoff_socket(components, mode=0o660, group=cfg.socket_group)
         # 4. Recovery: the index must reflect the disk before any call is served.
         t0 = time.monotonic()
         report = components.store.recover()
@@ -171,7 +174,8 @@ class Daemon:
             ("store", StoreStats(store.figures)), ("leases", leases), ("sources", sources), ("gc", gc),
             ("scrub", scrub), ("streams", self._admission[False]), ("registration", registration), ("remote", remote), ("daemon", self)]
         metrics = self._built("metrics", Metrics(cfg, figures, started_unix=self.started_unix))
-        return Components(store, leases, sources, gc, scrub, metrics, registration, remote, trust)
+        handoff = HandoffListener(cfg.socket + HANDOFF_SOCKET_SUFFIX)
+        return Components(store, leases, sources, gc, scrub, metrics, registration, remote, trust, handoff)
 
     def _built(self, name: str, component: _C) -> _C:
         """Records a component with background work for start() and shutdown()."""
@@ -233,6 +237,26 @@ class Daemon:
             return
         self._peer_listener = listener
 
+    def _bind_handoff_socket(self, components: Components, *, mode: int, group: str) -> None:
+        """The publications' handoff socket (hwr_server.publish.handoff), with
+        the runtime socket's mode and group; its path is covered by the
+        runtime socket's lock. Where it cannot serve (file leases unavailable
+        on the store's filesystem, a path that cannot be bound) it is
+        logged, and publications take the message transport."""
+        listener = components.handoff
+        assert listener is not None
+        why = leases_work(components.store.staging_dir)
+        if why:
+            log.warning("handoff socket %s: not offered: %s; publications send their payload in messages",
+                        listener.path, why)
+            return
+        _refuse_live_socket(listener.path)
+        try:
+            listener.bind(mode=mode, gid=_group_id(group) if group else -1)
+        except OSError as exc:
+            log.warning("handoff socket %s: cannot bind (%s); publications send their payload in messages",
+                        listener.path, exc.strerror or exc)
+
     def _set_health(self, status: int) -> None:
         for hs in self._health:
             for service in _SERVICES:
@@ -269,6 +293,8 @@ class Daemon:
             e.wait()
         if self._peer_listener is not None:
             self._peer_listener.close()  # removes only the path it bound
+        if self.components is not None and self.components.handoff is not None and self.components.handoff.serving:
+            self.components.handoff.close()  # removes only the path it bound
         for name, comp in reversed(self._lifecycle):
             try:
                 comp.stop()

@@ -52,7 +52,8 @@ class it names, the weight files), :mod:`~dlo_runtime.pretrained.weights`
 :mod:`~dlo_runtime.pretrained.eligibility` (what falls back, and how the
 report says so), :mod:`~dlo_runtime.pretrained.skeleton` (meta parameters,
 real buffers, blocks), :mod:`~dlo_runtime.pretrained.contract` (the
-contract); this one holds the call.
+contract), :mod:`~dlo_runtime.pretrained.publishing` (the publication
+after a cold start, in the background); this one holds the call.
 
 Example::
 
@@ -66,7 +67,6 @@ import dataclasses
 import functools
 import logging
 import os
-import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -76,6 +76,7 @@ from torch import nn
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hwr_client.resolve import Mode, Outcome, parse_mode
 
+from dlo_runtime.background import wait_for_key
 from dlo_runtime.compile import attach_to_pretrained, settings_for_pretrained
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
@@ -83,6 +84,7 @@ from dlo_runtime.pretrained.eligibility import (daemon_absent, decide, direct_ma
                                                  unused_keys_note, warn_fallback)
 from dlo_runtime.pretrained.files import ModelFiles, import_library, model_files, resolve_class
 from dlo_runtime.pretrained.hostplan import HOST_PLANS, CheckpointMapping, HostWeightPlan, describe, preflight
+from dlo_runtime.pretrained.publishing import publish_in_background
 from dlo_runtime.pretrained.skeleton import (check_loaded, dtype_of, find_blocks, nparams, parameters_on_meta,
                                               publish_groups)
 from dlo_runtime.restore import tensor_slots
@@ -105,7 +107,9 @@ class PretrainedReport:
         blocks: names of the streamed blocks, in order; ``streamed_bytes``
             their bytes; ``streamed_fraction`` their share of the parameters.
         notes: anything worth a look (streamed blocks under half the model).
-        publish: the publish-after-load report on a preferred miss.
+        publish: the publish-after-load report on a preferred miss
+            (``{"state": "running", ...}`` while it runs in the background;
+            :meth:`LoadedModel.wait_published` waits for the final one).
         trail: the startup transaction's steps.
         host_plan: the host-weight plan taken: ``"checkpoint-mmap"``,
             ``"hwr"`` or ``"ordinary"``; ``host_plan_reason`` why
@@ -142,12 +146,25 @@ class LoadedModel:
     """A model :func:`from_pretrained` started: ``model`` (eval mode, DLO
     hooks when a device was given), ``outcome``, ``key``, ``report``.
     :meth:`close` (or leaving the ``with`` block) tears down the backend,
-    which closes the lease, then the client."""
+    which closes the lease, then the client. After a preferred miss,
+    ``publication`` is the :class:`~dlo_runtime.background.BackgroundPublication`
+    that publishes for the next start (``report.publish`` holds its state)."""
 
     def __init__(self, model: nn.Module, report: PretrainedReport, *, backend: Any = None, client: Any = None,
                  contract: PretrainedContract | None = None):
         self.model, self.report = model, report
         self.backend, self.client, self.contract = backend, client, contract
+        self.publication: Any = None
+
+    def wait_published(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Waits at most ``timeout`` seconds (None: no bound) for the
+        background publication of a preferred miss to end.
+
+        Returns:
+            Its final report (``state``, ``ok``, ``seconds``, ...), None
+            while it still runs, or ``{}`` when this start publishes nothing.
+        """
+        return {} if self.publication is None else self.publication.wait_published(timeout)
 
     @property
     def outcome(self) -> Outcome:
@@ -164,8 +181,21 @@ class LoadedModel:
         """The lease the backend owns on a warm start, else None."""
         return getattr(self.backend, "lease", None)
 
-    def close(self) -> None:
-        """Backend (drain, unhook, close the lease), then the client. Idempotent."""
+    def close(self, *, publication: str = "finish") -> None:
+        """Backend (drain, unhook, close the lease), then the client. Idempotent.
+
+        Args:
+            publication: what becomes of a background publication still
+                running: ``"finish"`` (default) lets it end on its own (it
+                holds its own connection and the tensors it reads; interpreter
+                exit waits at most ``dlo_runtime.background.EXIT_WAIT_S``),
+                ``"abandon"`` ends it now (nothing published), ``"wait"``
+                blocks until it ends.
+        """
+        if publication not in ("finish", "abandon", "wait"):
+            raise InvalidArgument(f"publication={publication!r}: expected 'finish', 'abandon' or 'wait'")
+        if self.publication is not None and publication != "finish":
+            self.publication.close(wait_s=None if publication == "wait" else 0.0)
         backend, self.backend = self.backend, None
         if backend is not None:
             backend.close()
@@ -213,18 +243,6 @@ def _block_report(model: nn.Module, blocks: Sequence[nn.Module], report: Pretrai
                             "pass blocks=[...] to stream more")
 
 
-def _progress_printer(what: str) -> Callable[[int, int], None]:
-    last = [-1]
-
-    def show(done: int, total: int) -> None:
-        step = 100 * done // max(total, 1) // 25 * 25
-        if step > last[0]:
-            last[0] = step
-            print(f"{what} {step:3d}%  ({done >> 20} / {total >> 20} MiB)", file=sys.stderr, flush=True)
-
-    return show
-
-
 def from_pretrained(
     model_dir: str | os.PathLike[str],
     *,
@@ -237,7 +255,7 @@ def from_pretrained(
     resident_blocks: int = 0,
     fuse_qkv: bool = False,
     socket: str | None = None,
-    progress: bool = True,
+    progress: bool | Callable[[int, int], None] = True,
     host_plan: str = "hwr",
     variant: str | None = None,
     use_safetensors: bool | None = None,
@@ -261,7 +279,10 @@ def from_pretrained(
         fuse_qkv: the library's ``fuse_qkv_projections()`` as a final
             layout (its own key).
         socket: daemon runtime socket (default: the client's).
-        progress: print publication progress to stderr.
+        progress: print publication progress to stderr (or a callable
+            taking (bytes written, total)). A preferred miss publishes in
+            the background (:mod:`dlo_runtime.background`): the call returns
+            once the model is ready; ``LoadedModel.wait_published()`` waits.
         host_plan: where host weights come from
             (:mod:`~dlo_runtime.pretrained.hostplan`): ``"hwr"`` (default,
             the behaviour above), ``"ordinary"`` (the library's own load,
@@ -375,6 +396,7 @@ def from_pretrained(
         t = time.perf_counter()
         identity = contract.identity(files.directory, client=client)
         seconds["identity"] = round(time.perf_counter() - t, 6)
+        wait_for_key(identity.key)  # this process's own publication of it, still running: a hit once it ends
         recipe = ModelRecipe(
             build_skeleton=contract.build_skeleton,
             load_canonical=lambda skel, copts: contract.canonical_load(skel, mmap=copts.checkpoint_mmap),
@@ -402,22 +424,10 @@ def from_pretrained(
     if device is not None:
         _block_report(model, contract.blocks(model)[options.resident_blocks:], report)
     loaded = LoadedModel(model, report, backend=backend, client=client, contract=contract)
+    report.seconds = seconds  # before the publication starts: its end adds "publish" to this dict
     if pending:
-        t = time.perf_counter()
-        # On a CUDA device the backend moved the non-block tensors there:
-        # publication takes host bytes (streamed blocks stay on the host).
-        tensors = {s.name: s.tensor.detach() if s.tensor.device.type == "cpu" else s.tensor.detach().cpu()
-                   for s in tensor_slots(model).slots}
-        rep = client.publish_after_load(identity, tensors, blocks=publish_groups(model, contract.blocks(model)),
-                                        progress=_progress_printer(f"hwr: publishing {contract.name}")
-                                        if progress else None)
-        del tensors
-        report.publish = dataclasses.asdict(rep)
-        report.trail.append(("already_published" if rep.already_published else "published") if rep.ok
-                            else f"publish_failed: {rep.error}")
-        seconds["publish"] = round(time.perf_counter() - t, 6)
+        loaded.publication = publish_in_background(model, contract, identity, client.socket, report, progress)
     seconds["total"] = round(time.perf_counter() - t0, 6)
-    report.seconds = seconds
     log.info("from_pretrained %s: %s in %.3fs (materialized %d bytes, %d producer calls)", contract.name,
              report.outcome, seconds["total"], report.bytes_materialized, report.producer_calls)
     return done(loaded)

@@ -33,6 +33,11 @@ PEER_SOCKET_SUFFIX = ".cred"
 #: gRPC metadata key under which a client sends that token on every call.
 PEER_TOKEN_METADATA = "hwr-peer-token"
 
+#: The daemon's handoff socket is the runtime socket's path plus this suffix
+#: (same directory, same mode): a publisher on the handoff transport gets
+#: each staging file's descriptor there (hwr_server.publish.handoff).
+HANDOFF_SOCKET_SUFFIX = ".pub"
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 # One letter (k, m, g, t, p) and the IEC names are binary; "KB", "MB"... are
 # decimal, as on a disk's label.

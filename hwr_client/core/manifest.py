@@ -24,15 +24,23 @@ from hwr_client.core.identity import Identity
 from hwr_client.core.layout import DTYPE_SIZES, MAX_DIM, check_shape_bound, check_tensor_names
 
 
-#: The manifest document's ``format`` and ``format_version``.
+#: The manifest document's ``format`` and the ``format_version`` written.
+#: Version 2 (this one): a tensor's digest is the xxh3-128 of its bytes,
+#: computed in the same pass as its file's SHA-256 (the blob name), so a
+#: publication hashes each payload byte with SHA-256 once. Version 1: a
+#: tensor's digest is the SHA-256 of its bytes (a second SHA-256 pass).
+#: Both are read; see :class:`TensorEntry` for what each proves.
 FORMAT = "hwr-manifest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: The versions :meth:`Manifest.from_json` accepts.
+READ_VERSIONS = (1, 2)
 # \Z, not $: "$" also matches before a trailing newline, which would let a
 # 65-character "digest" through.
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 # A document entry's fields, in the order of the dataclass that holds them.
-_TENSOR_FIELDS = operator.itemgetter("name", "file", "dtype", "shape", "offset", "nbytes", "sha256")
+_TENSOR_FIELDS = {v: operator.itemgetter("name", "file", "dtype", "shape", "offset", "nbytes", key)
+                  for v, key in ((1, "sha256"), (2, "xxh3_128"))}
 _BLOCK_FIELDS = operator.itemgetter("index", "prefix", "file", "begin", "end", "xxh3_128", "tensors")
 _Entry = TypeVar("_Entry")
 
@@ -62,8 +70,16 @@ class TensorEntry:
 
     ``file`` indexes ``Manifest.files``; ``dtype`` is the safetensors dtype
     string; ``offset`` is the ABSOLUTE byte offset of its first byte in that
-    file; ``nbytes`` its length in bytes (itemsize × elements); ``sha256`` the
-    SHA-256 hex of those bytes (``verify=full``).
+    file; ``nbytes`` its length in bytes (itemsize × elements). Its digest is
+    exactly one of ``sha256`` (format 1: the SHA-256 hex of those bytes) and
+    ``xxh3_128`` (format 2: the xxh3-128 hex of those bytes); the other is "".
+
+    What proves a tensor's bytes is its file's SHA-256, which names the blob
+    and covers every byte of the file (header, tensors, padding) in both
+    formats; the manifest places the tensor in it. The per-tensor digest
+    locates damage (which tensor) and feeds the content digest; a format-2
+    digest is not collision-resistant against a chosen input, which nothing
+    relies on: every check that must resist one compares file SHA-256s.
     """
 
     name: str
@@ -73,6 +89,17 @@ class TensorEntry:
     offset: int
     nbytes: int
     sha256: str
+    xxh3_128: str = ""
+
+    @property
+    def digest(self) -> str:
+        """The tensor's digest hex, whichever its format holds."""
+        return self.sha256 or self.xxh3_128
+
+    @property
+    def digest_algorithm(self) -> str:
+        """``"sha256"`` (format 1) or ``"xxh3_128"`` (format 2)."""
+        return "sha256" if self.sha256 else "xxh3_128"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +129,10 @@ class BlockEntry:
 
 
 def content_digest(tensors: Iterable[tuple[str, str, Iterable[int], str]]) -> str:
-    """Digest over (name, dtype, shape, tensor sha256), independent of how
-    tensors are split into files or ordered: ``sha256:<hex>``.
+    """Digest over (name, dtype, shape, tensor digest hex), independent of how
+    tensors are split into files or ordered: ``sha256:<hex>``. The tensor
+    digest is the one of the manifest's format (:class:`TensorEntry`), so the
+    same tensors give one content digest per format.
 
     Raises:
         InvalidArgument: a row that is not strings and integer dims.
@@ -144,7 +173,9 @@ class Manifest:
     order (tensors in layout order, blocks in execution order);
     ``annotations`` the publisher's opaque object
     (:mod:`hwr_client.core.annotations`), None when it gave none (the
-    document then has no ``annotations`` field, as before they existed).
+    document then has no ``annotations`` field, as before they existed);
+    ``format_version`` the document's format (:data:`FORMAT_VERSION` for a
+    new one; a read manifest keeps the version it was written in).
     """
 
     key: str
@@ -155,6 +186,7 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     blocks: tuple[BlockEntry, ...]
     annotations: dict[str, Any] | None = None
+    format_version: int = FORMAT_VERSION
 
     @property
     def size_bytes(self) -> int:
@@ -177,7 +209,7 @@ class Manifest:
         trailing newline); :meth:`from_json` reads it back equal."""
         doc = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "key": self.key,
             "identity": self.identity.document,
             "content_digest": self.content_digest,
@@ -185,7 +217,7 @@ class Manifest:
             "files": [dataclasses.asdict(f) for f in self.files],
             "tensors": [
                 {"name": t.name, "file": t.file, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
-                 "nbytes": t.nbytes, "sha256": t.sha256}
+                 "nbytes": t.nbytes, _DIGEST_KEY[self.format_version]: t.digest}
                 for t in self.tensors
             ],
             "blocks": [
@@ -246,13 +278,14 @@ def _from_doc(doc: Any, what: str) -> Manifest:
             wrong type or a missing one raises TypeError, KeyError, ValueError
             or AttributeError instead, which :meth:`Manifest.from_json` reports.
     """
-    if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
-        raise InvalidArgument(f"{what}: expected format {FORMAT!r} version {FORMAT_VERSION}")
+    version = doc.get("format_version")
+    if doc.get("format") != FORMAT or type(version) is not int or version not in READ_VERSIONS:
+        raise InvalidArgument(f"{what}: expected format {FORMAT!r} version {' or '.join(map(str, READ_VERSIONS))}")
     identity = Identity.from_dict(doc["identity"])
     if identity.key != doc["key"]:
         raise InvalidArgument(f"{what}: key {doc['key']!r} does not match its identity (expected {identity.key})")
     files = _files(doc["files"], what)
-    tensors, names, digest = _tensors(doc["tensors"], files, what)
+    tensors, names, digest = _tensors(doc["tensors"], files, what, version)
     blocks = _blocks(doc["blocks"], files, names, what)
     if digest != doc["content_digest"]:
         raise InvalidArgument(f"{what}: content_digest {doc['content_digest']!r}, expected {digest} from its tensors")
@@ -264,7 +297,8 @@ def _from_doc(doc: Any, what: str) -> Manifest:
     annotations = None
     if "annotations" in doc:
         annotations = check_annotations(doc["annotations"], what=f"{what}: annotations")
-    return Manifest(doc["key"], identity, digest, created, files, tensors, blocks, annotations)
+    return Manifest(doc["key"], identity, digest, created, files, tensors, blocks, annotations,
+                    format_version=version)
 
 
 def _files(doc_files: Any, what: str) -> tuple[FileEntry, ...]:
@@ -279,17 +313,19 @@ def _files(doc_files: Any, what: str) -> tuple[FileEntry, ...]:
     return files
 
 
-def _tensors(doc_tensors: Any, files: tuple[FileEntry, ...], what: str,
+def _tensors(doc_tensors: Any, files: tuple[FileEntry, ...], what: str, version: int,
              ) -> tuple[tuple[TensorEntry, ...], set[str], str]:
     """The tensor entries, checked; the set of their names; their content
     digest (for the caller to compare with the document's).
 
     Each tensor, after :func:`_names_and_hashes`: a known dtype; an existing
     file; integer dims >= 0; ``nbytes`` = itemsize × elements; its bytes
-    inside its file's data region.
+    inside its file's data region. ``version`` says which digest a tensor
+    holds (:class:`TensorEntry`).
     """
-    names, seen, plain = _names_and_hashes(doc_tensors, what)
-    n_files, itemsizes, fields = len(files), DTYPE_SIZES, _TENSOR_FIELDS
+    names, seen, plain = _names_and_hashes(doc_tensors, what, version)
+    n_files, itemsizes, fields = len(files), DTYPE_SIZES, _TENSOR_FIELDS[version]
+    v1 = version == 1
     data_starts, sizes = [f.data_start for f in files], [f.size for f in files]
     new, set_dict = object.__new__, object.__setattr__
     tensors: list[TensorEntry] = []
@@ -314,7 +350,7 @@ def _tensors(doc_tensors: Any, files: tuple[FileEntry, ...], what: str,
         # _frozen, inline: a call per tensor would cost a tenth of the pass.
         entry = new(TensorEntry)
         set_dict(entry, "__dict__", {"name": name, "file": file, "dtype": dtype, "shape": shape, "offset": offset,
-                                     "nbytes": nbytes, "sha256": sha})
+                                     "nbytes": nbytes, "sha256": sha if v1 else "", "xxh3_128": "" if v1 else sha})
         tensors.append(entry)
         if plain:
             dims = dims_text.get(shape)
@@ -326,9 +362,9 @@ def _tensors(doc_tensors: Any, files: tuple[FileEntry, ...], what: str,
     return tuple(tensors), seen, _tensor_digest(names, tensors, rows if plain else None)
 
 
-def _names_and_hashes(doc_tensors: Any, what: str) -> tuple[list[str], set[str], bool]:
-    """Checks every tensor's name (safe, unique) and SHA-256 (lowercase hex),
-    all at once; returns the names in order, their set, and whether the
+def _names_and_hashes(doc_tensors: Any, what: str, version: int) -> tuple[list[str], set[str], bool]:
+    """Checks every tensor's name (safe, unique) and digest (lowercase hex of
+    its format's length), all at once; returns the names in order, their set, and whether the
     digest rows can be written without JSON escaping.
 
     The rows can where no string in them needs escaping: valid names are
@@ -344,11 +380,12 @@ def _names_and_hashes(doc_tensors: Any, what: str) -> tuple[list[str], set[str],
     seen = set(names)
     if len(seen) != len(names):
         raise InvalidArgument(f"{what}: duplicate tensor {_first_duplicate(names)!r}")
-    shas = list(map(_SHA256, doc_tensors))
-    plain_shas = _all_hex64(shas)
+    shas = list(map(_DIGEST[version], doc_tensors))
+    width, pattern = (64, _HEX64) if version == 1 else (32, _HEX32)
+    plain_shas = _all_hex(shas, width)
     if not plain_shas:
         for name, sha in zip(names, shas):
-            if not _HEX64.match(sha):
+            if not pattern.match(sha):
                 raise InvalidArgument(f"{what}: tensor {name!r} entry is malformed")
     return names, seen, plain_shas and '"' not in "".join(names)
 
@@ -364,26 +401,28 @@ def _tensor_digest(names: list[str], tensors: list[TensorEntry], rows: list[str]
     """
     order = sorted(range(len(names)), key=names.__getitem__)
     if rows is None:
-        return _digest_sorted_rows([(t.name, t.dtype, t.shape, t.sha256) for t in map(tensors.__getitem__, order)])
+        return _digest_sorted_rows([(t.name, t.dtype, t.shape, t.digest) for t in map(tensors.__getitem__, order)])
     text = "[" + ",".join([rows[i] for i in order]) + "]"
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 _NAME = operator.itemgetter("name")
-_SHA256 = operator.itemgetter("sha256")
+#: A tensor entry's digest field, by format version.
+_DIGEST_KEY = {1: "sha256", 2: "xxh3_128"}
+_DIGEST = {v: operator.itemgetter(k) for v, k in _DIGEST_KEY.items()}
 _HEX_DIGITS = b"0123456789abcdef"
 
 
-def _all_hex64(texts: list[Any]) -> bool:
-    """True only if ``_HEX64`` matches every text (False says nothing): each
-    is a str (``str.join`` takes nothing else) of 64 characters, and the
-    whole is ASCII with nothing left once the lowercase hex digits are
-    deleted."""
+def _all_hex(texts: list[Any], width: int) -> bool:
+    """True only if every text is ``width`` lowercase hex digits (False says
+    nothing): each is a str (``str.join`` takes nothing else) of ``width``
+    characters, and the whole is ASCII with nothing left once the lowercase
+    hex digits are deleted."""
     try:
         joined = "".join(texts)
     except TypeError:
         return False
-    return (set(map(len, texts)) == {64} and joined.isascii()
+    return (set(map(len, texts)) == {width} and joined.isascii()
             and not joined.encode("ascii").translate(None, _HEX_DIGITS))
 
 

@@ -28,6 +28,7 @@ from hwr_client.core.identity import Identity
 from hwr_client.core.layout import MAX_HEADER_BYTES, FileLayout, TensorSpec, layout_file
 # manifest imports this module only for type annotations: no import cycle.
 from hwr_client.core.manifest import (
+    FORMAT_VERSION,
     BlockEntry,
     FileEntry,
     Manifest,
@@ -79,6 +80,10 @@ class PlanSpec:
     client expects, checked at commit; empty if none.
     ``annotations``: an opaque object the daemon stores unchanged in the
     manifest (:mod:`hwr_client.core.annotations`); None for none.
+    ``tensor_sha256``: the manifest records each tensor's SHA-256 (format 1)
+    instead of its xxh3-128 (format 2): for a consumer whose own format
+    needs one (vLLM-Omni); the daemon then hashes the tensors with SHA-256
+    a second time.
     """
 
     identity: Identity
@@ -87,6 +92,7 @@ class PlanSpec:
     ordered: bool = True
     declared_content_digest: str = ""
     annotations: Mapping[str, Any] | None = None
+    tensor_sha256: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +367,7 @@ def to_proto(plan: PlanSpec) -> pb.PublishPlan:
         ordered=plan.ordered,
         declared_content_digest=plan.declared_content_digest,
         annotations_json=annotations_json(dict(plan.annotations)) if plan.annotations is not None else "",
+        tensor_sha256=plan.tensor_sha256,
     )
 
 
@@ -379,7 +386,8 @@ def from_proto(msg: pb.PublishPlan) -> PlanSpec:
     )
     blocks = tuple(BlockSpec(b.index, b.prefix, tuple(b.tensors)) for b in msg.blocks)
     annotations = parse_annotations(msg.annotations_json, what="publication plan: annotations")
-    return PlanSpec(identity, files, blocks, msg.ordered, msg.declared_content_digest, annotations)
+    return PlanSpec(identity, files, blocks, msg.ordered, msg.declared_content_digest, annotations,
+                    tensor_sha256=msg.tensor_sha256)
 
 
 def build_manifest(
@@ -396,24 +404,29 @@ def build_manifest(
 
     Args:
         file_digests: per file (sha256 hex, xxh3_128 hex).
-        tensor_digests: tensor name -> sha256 hex.
+        tensor_digests: tensor name -> xxh3_128 hex (the manifest format
+            :data:`~hwr_client.core.manifest.FORMAT_VERSION` 2 digest), or
+            sha256 hex where the plan asks for ``tensor_sha256`` (format 1).
         block_xxh: per block xxh3_128 hex.
     """
     plan = checked.plan
+    sha = plan.tensor_sha256
     files = tuple(
         FileEntry(i, f.name, file_digests[i][0], lay.file_size, file_digests[i][1], lay.data_start)
         for i, (f, lay) in enumerate(zip(plan.files, checked.layouts))
     )
     tensors = tuple(
-        TensorEntry(spec.name, fi, spec.dtype, spec.shape, lay.data_start + off, spec.nbytes, tensor_digests[spec.name])
+        TensorEntry(spec.name, fi, spec.dtype, spec.shape, lay.data_start + off, spec.nbytes,
+                    tensor_digests[spec.name] if sha else "", "" if sha else tensor_digests[spec.name])
         for fi, lay in enumerate(checked.layouts)
         for spec, off in zip(lay.tensors, lay.tensor_offsets)
     )
     blocks = tuple(BlockEntry(b.index, b.prefix, b.file, b.begin, b.end, block_xxh[b.index], b.tensors) for b in checked.blocks)
-    digest = content_digest((t.name, t.dtype, t.shape, t.sha256) for t in tensors)
+    digest = content_digest((t.name, t.dtype, t.shape, t.digest) for t in tensors)
     created = int(time.time()) if created_unix is None else created_unix
     annotations = dict(plan.annotations) if plan.annotations is not None else None
-    return Manifest(plan.identity.key, plan.identity, digest, created, files, tensors, blocks, annotations)
+    return Manifest(plan.identity.key, plan.identity, digest, created, files, tensors, blocks, annotations,
+                    format_version=1 if sha else FORMAT_VERSION)
 
 
 def planned_manifest_bytes(checked: CheckedPlan) -> int:
@@ -422,6 +435,6 @@ def planned_manifest_bytes(checked: CheckedPlan) -> int:
     so the figure is exact (``created_unix`` has the same digits until 2286).
     Costs one manifest build, O(tensors)."""
     sha, xxh = "0" * 64, "0" * 32
-    tensors = {spec.name: sha for lay in checked.layouts for spec in lay.tensors}
+    tensors = {spec.name: sha if checked.plan.tensor_sha256 else xxh for lay in checked.layouts for spec in lay.tensors}
     manifest = build_manifest(checked, [(sha, xxh)] * len(checked.layouts), tensors, [xxh] * len(checked.blocks))
     return len(manifest.to_json().encode("utf-8"))

@@ -1,18 +1,16 @@
-"""One publication (DESIGN §5): plan → staging → chunks → commit.
+"""One publication (DESIGN §5): plan → staging → payload → commit.
 
-Ordered mode: chunks arrive strictly sequentially; each is written once and
-hashed from the same in-memory bytes by two pipeline threads (file SHA-256 +
-xxh3 in one, tensor SHA-256 + block xxh3 + padding check in the other), so
-the payload is never read back. Each finished file goes to a background
-fsync while the next file's bytes flow.
+The payload reaches the staging files by one of two transports, chosen at
+the plan: the handoff transport (:mod:`hwr_server.publish.handed`: the
+client writes the files through descriptors the daemon hands it, the daemon
+seals and hashes them; the default for a local client) or the message
+transport (:mod:`hwr_server.publish.streamed`: chunks in messages). Either
+hands the commit the same :class:`~hwr_server.publish.payload.Digests`,
+computed by the daemon from the bytes: one SHA-256 pass per payload byte.
 
-Unordered mode: chunks carry offsets, are written with ``pwrite`` and their
-coverage is tracked (an overlap is refused at once, a gap at commit); the
-files are hashed at commit by a parallel read-back.
-
-Commit: every byte received and every digest computed; declared digests
-checked (FAILED_PRECONDITION on mismatch); the manifest built; then the
-durable commit of :func:`hwr_server.store.commit.publish` (payload fsync, blobs/,
+Commit: every byte in and every digest computed; declared digests checked
+(FAILED_PRECONDITION on mismatch); the manifest built; then the durable
+commit of :func:`hwr_server.store.commit.publish` (payload fsync, blobs/,
 manifest, the rename into artifacts/, its fsync, the index), and only then
 the reply. Any failure before the publish point leaves nothing visible and
 removes the staging directory and the blobs this attempt moved.
@@ -23,55 +21,56 @@ header and manifest sizes before anything is staged (:func:`plan_limits`);
 a peer runs at most ``max_publications_per_peer`` publications and, beyond
 its first, reserves at most ``peer_reserved_bytes`` (:class:`PeerShares`);
 a publication that receives nothing for ``publication_idle_s`` ends ABORTED
-(:class:`RequestPump`). Payload files are opened lazily, a few at a time, so
-a plan of many files holds few descriptors; running out of descriptors is
-RESOURCE_EXHAUSTED.
+or brings fewer than ``publication_min_bytes_per_s`` per second the daemon
+waits for it (:class:`RequestPump`; on the handoff transport the bytes
+counted are those each ``written`` newly reports, see
+:meth:`Publication.reported_bytes`); a uid runs at most
+``max_publications_per_uid`` (:func:`uid_publication_cap`). Running out of
+descriptors is RESOURCE_EXHAUSTED.
 
-What a publication may evict: only room for payload bytes that arrived.
+What a publication may evict: only room for payload bytes that arrive.
 At plan the capacity check is a dry run: a plan that cannot fit even after
 collecting is refused at once, one that fits only after collecting is
-accepted and nothing is deleted yet. Then each valid chunk is admitted
-before it is written (:class:`~hwr_server.store.capacity.ArrivalAdmission`),
-a step of at least 4 MiB and 1/64 of the plan at a time, and the collector
-deletes only what that step needs; so a plan cancelled or left idle costs
-no other artifact, and one chunk of a large plan costs at most one step.
-The collector logs every such collection with the peer and the publication.
-
-The hashers live in :mod:`hwr_server.store.hashing` (deep verification uses them too).
+accepted and nothing is deleted yet. Then bytes are admitted
+(:class:`~hwr_server.store.capacity.ArrivalAdmission`: a step of at least
+4 MiB and 1/64 of the plan at a time, the collector deleting only what that
+step needs) before they can be written: each valid chunk on the message
+transport; a file's data size the first time its descriptor is handed out
+on the handoff transport. Nothing is preallocated (a full disk is the
+writer's ENOSPC: RESOURCE_EXHAUSTED), so a plan cancelled or left idle
+costs no other artifact. The collector logs every collection with the peer
+and the publication.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import os
 import shutil
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import Aborted, FailedPrecondition, HwrError, InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.core.plan import CheckedPlan, build_manifest, check_plan, check_plan_message, check_plan_sizes, from_proto
-from hwr_server.access.files import Untrusted, open_stored
 from hwr_server.access.peers import ANONYMOUS, Peer
 from hwr_server.access.publisher import published_by
+from hwr_server.publish.handed import HandedPayload
+from hwr_server.publish.handoff import HandoffListener
 from hwr_server.publish.limits import declared_tensors, plan_limits, uid_publication_cap
+from hwr_server.publish.payload import Digests, Payload, StagedFiles
+from hwr_server.publish.streamed import StreamedPayload
 from hwr_server.store import commit as durable
 from hwr_server.store.capacity import ArrivalAdmission
-from hwr_server.store.hashing import WholeHasher, _Stage, parts_from_plan, readback, set_native_thread_name
-from hwr_server.store.staging_io import Coverage, fsync_close, os_error, pwrite_all
+from hwr_server.store.staging_io import os_error, pwrite_all
 
 log = logging.getLogger(__name__)
 
-#: Payload files a publication keeps open at once (unordered mode: the most
-#: recently written; ordered mode needs one). More are reopened by path, so a
-#: plan of a thousand files never holds a thousand descriptors.
-MAX_OPEN_FILES = 8
-#: Finished files (ordered mode) whose background fsync may be pending, each
-#: holding its descriptor until fsynced; the writer waits beyond that.
+#: Finished files whose background fsync may be pending at once (ordered
+#: message transport: each holds its descriptor until fsynced, the writer
+#: waits beyond that; handoff transport: fsync threads).
 MAX_PENDING_FSYNCS = 8
 
 
@@ -84,9 +83,10 @@ class Committed:
 
 
 class Publication:
-    """One publication attempt; build with :meth:`begin`. Not thread-safe:
-    one gRPC stream drives it. :meth:`close` is idempotent and removes the
-    staging directory unless the commit completed."""
+    """One publication attempt; build with :meth:`begin`. One gRPC stream
+    drives it (the handoff socket's threads only ask its payload for
+    descriptors). :meth:`close` is idempotent and removes the staging
+    directory unless the commit completed."""
 
     def __init__(self, store: Any, checked: CheckedPlan, pub_id: str, declared_tensors: dict[str, str],
                  peer: Peer = ANONYMOUS, *, max_pending_fsyncs: int = MAX_PENDING_FSYNCS):
@@ -104,43 +104,39 @@ class Publication:
         self.n_files = len(checked.layouts)
         self.bytes_written = 0
         self.started = time.monotonic()
+        self.payload: Payload | None = None
+        #: The handoff transport's token ("" on the message transport).
+        self.handoff_token = ""
         self._slot = False
         self._peer_slot = False
         self._reserved = 0  # bytes counted in the peer's reservation
         self._claimed = False
-        self._admission: ArrivalAdmission | None = None  # capacity, from the first chunk on
+        self._admission: ArrivalAdmission | None = None  # capacity, from the first payload byte on
         self._done = False
         self._counted = False
-        self._open_fds: collections.OrderedDict[int, int] = collections.OrderedDict()  # file -> fd, LRU order
-        self._synced: set[int] = set()
         self._moved: list[str] = []  # blobs this attempt moved into blobs/
-        self._cur = 0  # ordered: current file and data-region position
-        self._pos = 0
-        self._fsyncs: list[Future] = []
-        self._fsync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hwr-fsync-{pub_id[:6]}")
-        self._fsync_pool.submit(set_native_thread_name, "hwr-fsync")
-        self._whole = [WholeHasher(lay.header) for lay in checked.layouts]
-        self._parts = [parts_from_plan(checked, i) for i in range(len(checked.layouts))]
-        self._coverage = [Coverage(lay.data_size) for lay in checked.layouts]
-        self._stages: list[_Stage] = []
 
     # -- plan -------------------------------------------------------------------
 
     @classmethod
     def begin(cls, store: Any, msg: pb.PublishPlan, *, peer: Peer = ANONYMOUS,
               is_active: Callable[[], bool] = lambda: True,
-              max_pending_fsyncs: int = MAX_PENDING_FSYNCS) -> "Publication":
+              max_pending_fsyncs: int = MAX_PENDING_FSYNCS,
+              handoff: HandoffListener | None = None) -> "Publication":
         """Validates a plan, claims its key, takes the peer's and a global
         slot, reserves its bytes, checks capacity (without collecting),
-        creates staging and writes the headers.
+        creates staging, writes the headers and sets up the transport.
 
         Args:
             store: the store it publishes into.
             msg: the wire plan.
             peer: who asks; per-peer slots and bytes are counted by ``peer.key``.
             is_active: False once the caller went away (ends a wait for a slot).
-            max_pending_fsyncs: finished files (ordered mode) whose fsync may
-                be pending at once (:data:`MAX_PENDING_FSYNCS`).
+            max_pending_fsyncs: finished files whose fsync may be pending at
+                once (:data:`MAX_PENDING_FSYNCS`).
+            handoff: the handoff socket; with it, a plan asking for
+                ``file_handoff`` gets the handoff transport, else (or
+                without it) the message transport.
 
         Raises:
             InvalidArgument: bad plan. Aborted: the key is being published.
@@ -161,6 +157,8 @@ class Publication:
         pub = cls(store, checked, uuid.uuid4().hex[:16], declared, peer, max_pending_fsyncs=max_pending_fsyncs)
         try:
             pub._open(is_active)
+            if not pub.already_published:
+                pub._transport(handoff if msg.file_handoff and handoff is not None and handoff.serving else None)
         except BaseException:
             pub.close()
             raise
@@ -218,6 +216,28 @@ class Publication:
         log.info("publication %s of %s for %s: %d files, %d bytes, ordered=%s", self.pub_id, self.key[:12],
                  self.peer.key, self.n_files, total, self.checked.plan.ordered)
 
+    def _transport(self, handoff: HandoffListener | None) -> None:
+        cfg = self.store.config
+        files = StagedFiles(
+            self.checked, [self._file_path(i) for i in range(self.n_files)], self._what(),
+            threads=max(1, int(cfg.hash_threads or os.cpu_count() or 2)), max_chunk_bytes=int(cfg.max_chunk_bytes),
+            max_pending_fsyncs=self.max_pending_fsyncs, admit=self.admit,
+            sha256_tensors=self._sha256_tensors(), nice=int(cfg.publication_nice),
+        )
+        if handoff is not None:
+            handed = HandedPayload(files, self.pub_id[:6], listener=handoff, peer_uid=self.peer.uid)
+            self.payload, self.handoff_token = handed, handed.token
+        else:
+            self.payload = StreamedPayload(files, self.pub_id[:6])
+        log.info("publication %s: %s transport", self.pub_id, "handoff" if handoff is not None else "message")
+
+    def _sha256_tensors(self) -> frozenset[str]:
+        """The tensors hashed with SHA-256 as well: every one where the plan
+        asks for ``tensor_sha256`` (a format-1 manifest), else the declared ones."""
+        if self.checked.plan.tensor_sha256:
+            return frozenset(spec.name for lay in self.checked.layouts for spec in lay.tensors)
+        return frozenset(self.declared_tensors)
+
     def _peer_byte_cap(self) -> int:
         """config.peer_reserved_bytes, or by default half of the capacity
         (half of the disk without one)."""
@@ -229,45 +249,21 @@ class Publication:
         st = os.statvfs(self.store.root)
         return st.f_blocks * st.f_frsize // 2
 
-    def _start_payload(self) -> None:
-        """At the first chunk (or a commit without one): the admission of the
-        bytes as they arrive, and the ordered-mode hashers. Nothing is
-        preallocated: room is made for the bytes that came, never for the
-        plan's claim (:mod:`hwr_server.store.capacity`); a full disk is the
-        filesystem's ENOSPC at pwrite (RESOURCE_EXHAUSTED)."""
-        if self._admission is not None:
-            return
-        self._admission = ArrivalAdmission(self.store.capacity_hook, self.checked.total_bytes, who=self._what())
-        if self.checked.plan.ordered:
-            self._stages = [
-                _Stage(lambda it: self._whole[it[0]].update(it[1]), f"hwr-sha-file-{self.pub_id[:6]}"),
-                _Stage(lambda it: self._parts[it[0]].update(it[1]), f"hwr-sha-tensor-{self.pub_id[:6]}"),
-            ]
-            for s in self._stages:
-                s.start()
+    def admit(self, nbytes: int) -> None:
+        """Capacity for ``nbytes`` payload bytes about to be written (a
+        chunk; a handed-over file's data region), before they are: see the
+        module docstring. Called by one thread at a time (the stream's, or
+        a handoff thread under the handed payload's lock).
+
+        Raises:
+            ResourceExhausted: capacity or disk space; none of them may be written.
+        """
+        if self._admission is None:
+            self._admission = ArrivalAdmission(self.store.capacity_hook, self.checked.total_bytes, who=self._what())
+        self._admission.admit(nbytes)
 
     def _file_path(self, i: int) -> str:
         return os.path.join(self.staging, f"{i:05d}.safetensors")
-
-    def _fd(self, i: int) -> int:
-        """An open descriptor of file ``i``: from the few kept open (least
-        recently used closed first), else opened again by path.
-
-        Raises:
-            OSError: from open (EMFILE: see _os_error).
-        """
-        fd = self._open_fds.get(i)
-        if fd is not None:
-            self._open_fds.move_to_end(i)
-            return fd
-        while len(self._open_fds) >= MAX_OPEN_FILES:
-            # Closing without fsync loses nothing: the commit fsyncs every
-            # file again by path, and Linux reports a writeback error to the
-            # next fsync of the file through any descriptor (errseq).
-            os.close(self._open_fds.popitem(last=False)[1])
-        fd = os.open(self._file_path(i), os.O_RDWR | os.O_CLOEXEC)
-        self._open_fds[i] = fd
-        return fd
 
     def accepted(self) -> pb.PublishAccepted:
         return pb.PublishAccepted(
@@ -275,79 +271,53 @@ class Publication:
             already_published=self.already_published,
             files=[pb.FileLayout(data_size=lay.data_size, tensor_offsets=list(lay.tensor_offsets))
                    for lay in self.checked.layouts],
+            handoff_token=self.handoff_token,
         )
 
-    # -- chunks -----------------------------------------------------------------
+    # -- payload ----------------------------------------------------------------
+
+    def reported_bytes(self, req: pb.PublishRequest) -> int:
+        """The payload bytes a request brings, as the rate floor counts them
+        (``RequestPump(size_of=)``): a chunk's length; what a ``written``
+        newly reports for its file (each file counted up to its data size,
+        once). Handed bytes go into a file the daemon does not watch, so
+        they are the client's word; a client that claims them early gains at
+        most one rate window, since no file's bytes count twice."""
+        kind = req.WhichOneof("kind")
+        if kind == "chunk":
+            return len(req.chunk.data)
+        if kind == "written" and self.payload is not None:
+            w = req.written
+            return self.payload.reported_bytes(w.file_index, w.data_bytes, w.complete)
+        return 0
+
+    def _payload(self, what: str) -> Payload:
+        if self.already_published or self.payload is None:
+            raise InvalidArgument(f"{what}: artifact {self.key[:12]} is already published; send commit without payload")
+        return self.payload
 
     def write(self, file_index: int, offset: int, data: bytes) -> None:
-        """Writes one chunk, after the capacity its bytes need (see _start_payload).
+        """Writes one message chunk (message transport), after the capacity
+        its bytes need (:meth:`admit`).
 
         Raises:
-            InvalidArgument: bad index/offset/size, out of order, overlap.
+            InvalidArgument: bad index/offset/size, out of order, overlap,
+                or a publication on the handoff transport.
             ResourceExhausted: disk full, capacity, file descriptors.
         """
-        what = f"publication {self.pub_id} file {file_index}"
-        if self.already_published:
-            raise InvalidArgument(f"{what}: artifact {self.key[:12]} is already published; send commit without payload")
-        if not data or len(data) > self.store.config.max_chunk_bytes:
-            raise InvalidArgument(f"{what}: chunk of {len(data)} bytes; expected 1..{self.store.config.max_chunk_bytes}")
-        if not 0 <= file_index < self.n_files:
-            raise InvalidArgument(f"{what}: file index out of range; the plan has {self.n_files} files")
-        lay = self.checked.layouts[file_index]
-        if offset + len(data) > lay.data_size:
-            raise InvalidArgument(
-                f"{what}: chunk [{offset}, {offset + len(data)}) runs past the planned data size {lay.data_size} "
-                "(more payload than planned)"
-            )
-        if self.checked.plan.ordered:
-            self._check_order(file_index, offset, what)
-            self._admit(len(data))
-            self._write_ordered(file_index, offset, data, what)
-        else:
-            self._coverage[file_index].add(offset, offset + len(data), what)
-            self._admit(len(data))
-            self._pwrite(file_index, offset, data, what)
-        self.bytes_written += len(data)
+        payload = self._payload(f"publication {self.pub_id} file {file_index}")
+        self.bytes_written += payload.write(file_index, offset, data)
 
-    def _admit(self, nbytes: int) -> None:
-        self._start_payload()  # capacity for a valid chunk's bytes, before they are written
-        self._admission.admit(nbytes)  # type: ignore[union-attr]
+    def written(self, file_index: int, data_bytes: int, complete: bool) -> None:
+        """Progress on, or the completion of, a staging file the client
+        wrote through a handed-over descriptor (handoff transport).
 
-    def _check_order(self, fi: int, offset: int, what: str) -> None:
-        while self._cur < self.n_files - 1 and self._pos == self.checked.layouts[self._cur].data_size:
-            self._cur, self._pos = self._cur + 1, 0  # previous file complete: the next one starts
-        if (fi, offset) != (self._cur, self._pos):
-            raise InvalidArgument(
-                f"{what}: out-of-order chunk at offset {offset}; ordered mode expects file {self._cur} "
-                f"offset {self._pos} (use ordered=false to send chunks at arbitrary offsets)"
-            )
-
-    def _write_ordered(self, fi: int, offset: int, data: bytes, what: str) -> None:
-        for s in self._stages:
-            if s.error is not None:
-                raise s.error
-        self._pwrite(fi, offset, data, what)
-        for s in self._stages:
-            s.q.put((fi, data))  # blocks when the hasher is behind: bounded memory
-        self._pos = offset + len(data)
-        if self._pos == self.checked.layouts[fi].data_size:
-            # Durability of this file proceeds in the background while the next
-            # file's bytes flow; the fsync task owns the descriptor and closes it.
-            self._synced.add(fi)
-            fd = self._open_fds.pop(fi)
-            pending = [f for f in self._fsyncs if not f.done()]
-            if len(pending) >= self.max_pending_fsyncs:
-                try:
-                    pending[0].result()  # each pending fsync holds a descriptor: bound them
-                except OSError as exc:
-                    raise os_error(exc, f"{what}: fsync") from None
-            self._fsyncs.append(self._fsync_pool.submit(fsync_close, fd))
-
-    def _pwrite(self, fi: int, offset: int, data: bytes, what: str) -> None:
-        try:
-            pwrite_all(self._fd(fi), data, self.checked.layouts[fi].data_start + offset)
-        except OSError as exc:
-            raise os_error(exc, what) from None
+        Raises:
+            InvalidArgument: bad index, out of order, a publication on the
+                message transport. FailedPrecondition: a writable descriptor
+                is still open, or the file's size is not the planned one.
+        """
+        self._payload(f"publication {self.pub_id} file {file_index}").written(file_index, data_bytes, complete)
 
     # -- commit -----------------------------------------------------------------
 
@@ -372,14 +342,16 @@ class Publication:
                     "already_published; publish again"
                 ) from None
             return Committed(self.key, manifest_json, 0, True)
-        self._check_complete()
-        self._start_payload()  # a plan whose files hold no data bytes gets no chunk
-        # Every digest (the payload fsyncs are the commit's first step).
-        digests = self._digests_ordered() if self.checked.plan.ordered else self._digests_readback()
-        file_digests, tensor_digests, block_xxh = digests
+        payload = self._payload(f"publication {self.pub_id}")
+        # Every digest, from the bytes the staging files hold (the payload
+        # fsyncs, the commit's first step, are under way meanwhile).
+        digests = payload.digests()
+        if isinstance(payload, HandedPayload):
+            self.bytes_written = payload.bytes_written
         # Declared digests: a mismatch refuses the publication before anything moves.
-        self._check_declared(file_digests, tensor_digests)
-        manifest = build_manifest(self.checked, file_digests, tensor_digests, block_xxh)
+        self._check_declared(digests)
+        tensor_digests = digests.tensor_sha256 if self.checked.plan.tensor_sha256 else digests.tensors
+        manifest = build_manifest(self.checked, digests.files, tensor_digests, digests.blocks)
         if self.checked.plan.declared_content_digest and manifest.content_digest != self.checked.plan.declared_content_digest:
             raise FailedPrecondition(
                 f"publication {self.pub_id}: content digest {manifest.content_digest}, declared "
@@ -394,7 +366,7 @@ class Publication:
                                     "(ServerConfig.max_manifest_bytes); split the artifact")
         staged = durable.Staged(
             self.key, os.path.join(self.staging, "artifact"),
-            [self._file_path(i) for i in range(self.n_files)], self._sync_payload,
+            [self._file_path(i) for i in range(self.n_files)], payload.sync,
         )
         try:
             text = durable.publish(self.store, staged, manifest, self._moved,
@@ -407,96 +379,15 @@ class Publication:
         log.info("publication %s committed %s: %d bytes in %.2f s", self.pub_id, self.key[:12], self.bytes_written, seconds)
         return Committed(self.key, text, self.bytes_written, False)
 
-    def _check_complete(self) -> None:
-        for i, (lay, cov) in enumerate(zip(self.checked.layouts, self._coverage)):
-            if self.checked.plan.ordered:
-                got = lay.data_size if i < self._cur else (self._pos if i == self._cur else 0)
-                if got != lay.data_size:
-                    raise InvalidArgument(
-                        f"publication {self.pub_id} file {i}: commit after {got} of {lay.data_size} payload bytes "
-                        "(too few bytes)"
-                    )
-            elif (gap := cov.first_gap()) is not None:
-                b, e = gap
-                raise InvalidArgument(
-                    f"publication {self.pub_id} file {i}: commit with bytes [{b}, {e}) never sent (too few bytes)"
-                )
-
-    def _digests_ordered(self) -> tuple[list, dict, list]:
-        stages, self._stages = self._stages, []
-        for s in stages:
-            s.finish()  # waits until every queued chunk is hashed
-        return self._collect()
-
-    def _digests_readback(self) -> tuple[list, dict, list]:
-        def one(i: int) -> None:
-            lay = self.checked.layouts[i]
-            self._whole[i] = WholeHasher()  # the read-back sees the header too
-            # The staging file is opened once, refused unless it is still a
-            # regular file of ours (no link planted in its place), and read
-            # through that fd only.
-            try:
-                fd, _ = open_stored(self._file_path(i), what=f"{self._what()} file {i}")
-            except (FileNotFoundError, Untrusted) as exc:
-                raise FailedPrecondition(f"{self._what()} file {i}: staging file cannot be read back ({exc}); "
-                                         "publish again") from None
-            try:
-                readback(fd, self._whole[i], self._parts[i], lay.data_start, lay.file_size)
-            finally:
-                os.close(fd)
-
-        with ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="hwr-readback") as pool:
-            for fut in [pool.submit(one, i) for i in range(self.n_files)]:
-                fut.result()
-        return self._collect()
-
-    def _threads(self) -> int:
-        return max(1, (self.store.config.hash_threads or os.cpu_count() or 2) // 2)
-
-    def _sync_payload(self) -> None:
-        """Commit step 1: every payload file durable before blobs/ or a
-        manifest refers to it. Ordered mode fsynced each finished file in the
-        background while the next one's bytes flowed; this waits for those
-        and fsyncs the rest (files without data bytes; every file when
-        unordered, in parallel like the read-back)."""
-        rest = [i for i in range(self.n_files) if i not in self._synced]
-        if self.checked.plan.ordered:
-            self._fsyncs += [self._fsync_pool.submit(self._fsync_file, i) for i in rest]
-            rest = []
-        with ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="hwr-fsync") as pool:
-            futures = self._fsyncs + [pool.submit(self._fsync_file, i) for i in rest]
-            for fut in futures:
-                fut.result()  # raises the fsync's OSError: nothing moves into blobs/
-
-    def _fsync_file(self, i: int) -> None:
-        """fsyncs file ``i`` through its open descriptor, or one opened for it
-        (the few kept open are not touched by the writer meanwhile: the
-        commit runs after the last chunk)."""
-        fd = self._open_fds.get(i)
-        if fd is not None:
-            os.fsync(fd)
-            return
-        fsync_close(os.open(self._file_path(i), os.O_RDONLY | os.O_CLOEXEC))
-
-    def _collect(self) -> tuple[list, dict, list]:
-        problems = [p for parts in self._parts for p in parts.problems]
-        if problems:
-            raise InvalidArgument("; ".join(problems[:5]))
-        tensors: dict[str, str] = {}
-        blocks: dict[int, str] = {}
-        for parts in self._parts:
-            tensors.update(parts.tensor_digests())
-            blocks.update(parts.block_digests())
-        return [w.digests() for w in self._whole], tensors, [blocks[b.index] for b in self.checked.blocks]
-
-    def _check_declared(self, file_digests: list, tensor_digests: dict[str, str]) -> None:
+    def _check_declared(self, digests: Digests) -> None:
         bad = []
         for i, f in enumerate(self.checked.plan.files):
-            if f.declared_sha256 and f.declared_sha256 != file_digests[i][0]:
-                bad.append(f"file {i} ({f.name}): sha256 {file_digests[i][0]}, declared {f.declared_sha256}")
+            if f.declared_sha256 and f.declared_sha256 != digests.files[i][0]:
+                bad.append(f"file {i} ({f.name}): sha256 {digests.files[i][0]}, declared {f.declared_sha256}")
         for name, want in self.declared_tensors.items():
-            if tensor_digests[name] != want:
-                bad.append(f"tensor {name!r}: sha256 {tensor_digests[name]}, declared {want}")
+            got = digests.tensor_sha256[name]  # hashed with SHA-256 because it was declared
+            if got != want:
+                bad.append(f"tensor {name!r}: sha256 {got}, declared {want}")
         if bad:
             raise FailedPrecondition(f"publication {self.pub_id} of {self.key[:12]}: " + "; ".join(bad))
 
@@ -505,18 +396,10 @@ class Publication:
     def close(self) -> None:
         """Ends the attempt: stops hashers, closes files, removes staging and
         releases the claim. Idempotent; counts a failure if not committed."""
-        for s in self._stages:
-            s.error = s.error or InvalidArgument("aborted")  # skip the queued chunks
-            try:
-                s.finish()
-            except BaseException:  # noqa: BLE001 - the attempt is over; its error was reported
-                pass
-        self._stages = []
-        # Waits for queued fsyncs: each owns and closes a descriptor.
-        self._fsync_pool.shutdown(wait=True)
-        for fd in self._open_fds.values():
-            os.close(fd)
-        self._open_fds.clear()
+        if self.payload is not None:
+            # Its threads and descriptors end before the staging goes (no
+            # hash pass maps a file being removed, no descriptor is handed out).
+            self.payload.close()
         if self.staging:
             # After a commit only emptied directories remain; otherwise this drops the payload.
             shutil.rmtree(self.staging, ignore_errors=True)
@@ -537,3 +420,4 @@ class Publication:
             self._counted = True
             self.store.count("failed", nbytes=0, seconds=time.monotonic() - self.started)
             log.info("publication %s of %s ended without commit; staging removed", self.pub_id, self.key[:12])
+

@@ -36,10 +36,14 @@ log = logging.getLogger(__name__)
 
 
 def publish(c: Components, requests: Iterator[pb.PublishRequest], context: grpc.ServicerContext) -> Iterator[pb.PublishEvent]:
-    """Publish: plan → accepted → chunks → commit → committed.
+    """Publish: plan → accepted → chunks (or, on the handoff transport,
+    `written` per staging file) → commit → committed.
 
     After the plan, each message must arrive within
-    ``config.publication_idle_s`` or the publication ends ABORTED.
+    ``config.publication_idle_s``, and the payload must come at
+    ``config.publication_min_bytes_per_s`` (chunk bytes; on the handoff
+    transport the bytes `written` reports, :meth:`Publication.reported_bytes`),
+    or the publication ends ABORTED.
 
     Raises:
         InvalidArgument: no plan first, bad plan, bad chunk, stream ended early.
@@ -50,10 +54,9 @@ def publish(c: Components, requests: Iterator[pb.PublishRequest], context: grpc.
     first = next(requests, None)
     if first is None or first.WhichOneof("kind") != "plan":
         raise InvalidArgument("publish: the first message must be a plan")
-    pub = Publication.begin(store, first.plan, peer=peer_of(context), is_active=context.is_active)
+    pub = Publication.begin(store, first.plan, peer=peer_of(context), is_active=context.is_active, handoff=c.handoff)
     pump = RequestPump(requests, idle_s=float(store.config.publication_idle_s), what=f"publication {pub.pub_id}",
-                       min_bytes_per_s=float(store.config.publication_min_bytes_per_s),
-                       size_of=lambda r: len(r.chunk.data) if r.WhichOneof("kind") == "chunk" else 0)
+                       min_bytes_per_s=float(store.config.publication_min_bytes_per_s), size_of=pub.reported_bytes)
     try:
         yield pb.PublishEvent(accepted=pub.accepted())
         while (req := pump.next()) is not None:
@@ -61,6 +64,8 @@ def publish(c: Components, requests: Iterator[pb.PublishRequest], context: grpc.
             if kind == "chunk":
                 chunk = req.chunk
                 pub.write(chunk.file_index, chunk.offset, chunk.data)
+            elif kind == "written":
+                pub.written(req.written.file_index, req.written.data_bytes, req.written.complete)
             elif kind == "commit":
                 done = pub.commit()
                 if not done.already_published:

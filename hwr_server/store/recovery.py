@@ -185,8 +185,10 @@ def _header_problem_of(fh: Any, manifest: Manifest, fi: int, size: int, what: st
 
 
 def verify_file(manifest: Manifest, fi: int, path: str) -> tuple[list[str], bool, int]:
-    """Re-hashes one blob: file SHA-256 and xxh3, every tensor's SHA-256,
-    every block's xxh3, the header and the zero padding.
+    """Re-hashes one blob: file SHA-256 and xxh3, every tensor's digest (the
+    manifest format's: xxh3-128, or SHA-256 for format 1), every block's
+    xxh3, the header and the zero padding. The file's SHA-256 proves every
+    byte; the rest names what is damaged.
 
     Returns:
         (every problem found, whether the blob itself is corrupt, bytes read).
@@ -223,8 +225,9 @@ def verify_file(manifest: Manifest, fi: int, path: str) -> tuple[list[str], bool
         problems.append(f"{what}: xxh3_128 {xxh}, expected {f.xxh3_128}")
     tdig, bdig = parts.tensor_digests(), parts.block_digests()
     for t in manifest.tensors:
-        if t.file == fi and tdig.get(t.name) != t.sha256:
-            problems.append(f"artifact {manifest.key[:12]} tensor {t.name!r}: sha256 mismatch, expected {t.sha256[:12]}…")
+        if t.file == fi and tdig.get(t.name) != t.digest:
+            problems.append(f"artifact {manifest.key[:12]} tensor {t.name!r}: {t.digest_algorithm} mismatch, "
+                            f"expected {t.digest[:12]}…")
     for b in manifest.blocks:
         if b.file == fi and bdig.get(b.index) != b.xxh3_128:
             problems.append(f"artifact {manifest.key[:12]} block {b.index} ({b.prefix!r}): xxh3_128 mismatch")

@@ -72,7 +72,7 @@ def test_plan_carries_them_over_the_wire_into_the_manifest():
 
     sha, xxh = "0" * 64, "0" * 32
     manifest = build_manifest(checked, [(sha, xxh)] * len(checked.layouts),
-                              {s.name: sha for lay in checked.layouts for s in lay.tensors},
+                              {s.name: xxh for lay in checked.layouts for s in lay.tensors},
                               [xxh] * len(checked.blocks))
     assert manifest.annotations == GOOD
     assert planned_manifest_bytes(checked) == len(manifest.to_json().encode("utf-8"))
@@ -90,7 +90,7 @@ def test_a_manifest_with_bad_annotations_is_refused():
 
     sha, xxh = "0" * 64, "0" * 32
     doc = json.loads(build_manifest(checked, [(sha, xxh)] * len(checked.layouts),
-                                    {s.name: sha for lay in checked.layouts for s in lay.tensors},
+                                    {s.name: xxh for lay in checked.layouts for s in lay.tensors},
                                     [xxh] * len(checked.blocks)).to_json())
     for bad, field in (({"schema_version": 9, "data": {}}, "annotations.schema_version"),
                        (None, "annotations: expected an object")):

@@ -67,9 +67,29 @@ def artifact(tmp_path_factory):
     return manifest, paths
 
 
-@pytest.fixture
-def doc(artifact):
-    return json.loads(artifact[0].to_json())
+def v1_document(manifest: Manifest, paths: list[str]) -> dict:
+    """The same artifact as a format-1 document: each tensor's digest is the
+    SHA-256 of its bytes (what daemons wrote before format 2)."""
+    doc = json.loads(manifest.to_json())
+    doc["format_version"] = 1
+    for t in doc["tensors"]:
+        with open(paths[t["file"]], "rb") as f:
+            f.seek(t["offset"])
+            t["sha256"] = hashlib.sha256(f.read(t["nbytes"])).hexdigest()
+        del t["xxh3_128"]
+    refresh_digest(doc)
+    return doc
+
+
+@pytest.fixture(params=[2, 1], ids=["format-2", "format-1"])
+def doc(artifact, request):
+    """The artifact's manifest document in each format the reader accepts."""
+    return json.loads(artifact[0].to_json()) if request.param == 2 else v1_document(*artifact)
+
+
+def digest_key(doc: dict) -> str:
+    """A tensor entry's digest field in ``doc``'s format."""
+    return "sha256" if doc.get("format_version") == 1 else "xxh3_128"
 
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}\Z")  # \Z: a trailing newline is refused
@@ -77,9 +97,11 @@ _HEX32 = re.compile(r"^[0-9a-f]{32}\Z")
 
 
 def reference_from_doc(doc: dict, what: str) -> Manifest:
-    """The full check, one rule at a time (Manifest._from_doc as it was)."""
-    if doc.get("format") != "hwr-manifest" or doc.get("format_version") != 1:
-        raise InvalidArgument(f"{what}: expected format 'hwr-manifest' version 1")
+    """The full check, one rule at a time (Manifest._from_doc as it was,
+    reading format 1 and format 2)."""
+    version = doc.get("format_version")
+    if doc.get("format") != "hwr-manifest" or type(version) is not int or version not in (1, 2):
+        raise InvalidArgument(f"{what}: expected format 'hwr-manifest' version 1 or 2")
     identity = Identity.from_dict(doc["identity"])
     if identity.key != doc["key"]:
         raise InvalidArgument(f"{what}: key {doc['key']!r} does not match its identity (expected {identity.key})")
@@ -89,8 +111,10 @@ def reference_from_doc(doc: dict, what: str) -> Manifest:
     for i, f in enumerate(files):
         if f.index != i or not _HEX64.match(f.blob) or not _HEX32.match(f.xxh3_128) or f.size <= 0:
             raise InvalidArgument(f"{what}: file {i} entry is malformed: {f}")
+    key, hex_digest = ("sha256", _HEX64) if version == 1 else ("xxh3_128", _HEX32)
     tensors = tuple(
-        TensorEntry(t["name"], t["file"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"], t["sha256"])
+        TensorEntry(t["name"], t["file"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"],
+                    t[key] if version == 1 else "", "" if version == 1 else t[key])
         for t in doc["tensors"]
     )
     if not tensors:
@@ -101,7 +125,7 @@ def reference_from_doc(doc: dict, what: str) -> Manifest:
         if t.name in seen:
             raise InvalidArgument(f"{what}: duplicate tensor {t.name!r}")
         seen.add(t.name)
-        if t.dtype not in DTYPE_SIZES or not (0 <= t.file < len(files)) or not _HEX64.match(t.sha256):
+        if t.dtype not in DTYPE_SIZES or not (0 <= t.file < len(files)) or not hex_digest.match(t.digest):
             raise InvalidArgument(f"{what}: tensor {t.name!r} entry is malformed")
         if not all(type(d) is int and d >= 0 for d in t.shape):
             raise InvalidArgument(f"{what}: tensor {t.name!r} shape {list(t.shape)} must hold integers >= 0")
@@ -120,13 +144,13 @@ def reference_from_doc(doc: dict, what: str) -> Manifest:
             raise InvalidArgument(f"{what}: block {i} entry is malformed")
         if not _HEX32.match(b.xxh3_128) or not b.tensors or any(n not in seen for n in b.tensors):
             raise InvalidArgument(f"{what}: block {i} entry is malformed")
-    digest = content_digest((t.name, t.dtype, t.shape, t.sha256) for t in tensors)
+    digest = content_digest((t.name, t.dtype, t.shape, t.digest) for t in tensors)
     if digest != doc["content_digest"]:
         raise InvalidArgument(f"{what}: content_digest {doc['content_digest']!r}, expected {digest} from its tensors")
     created = doc["created_unix"]
     if isinstance(created, bool) or not isinstance(created, int):
         raise InvalidArgument(f"{what}: created_unix must be an integer")
-    return Manifest(doc["key"], identity, digest, created, files, tensors, blocks)
+    return Manifest(doc["key"], identity, digest, created, files, tensors, blocks, format_version=version)
 
 
 def reference_from_json(text: str, what: str = "m") -> Manifest:
@@ -156,7 +180,8 @@ def refresh_digest(doc: dict) -> None:
     """Sets content_digest to what the tensors give, where they give one, so
     that a mutation reaches the checks after the digest's."""
     try:
-        doc["content_digest"] = content_digest((t["name"], t["dtype"], t["shape"], t["sha256"]) for t in doc["tensors"])
+        key = digest_key(doc)
+        doc["content_digest"] = content_digest((t["name"], t["dtype"], t["shape"], t[key]) for t in doc["tensors"])
     except Exception:  # noqa: BLE001, S110 - leave it; the mutation fails earlier
         pass
 
@@ -166,10 +191,11 @@ def test_a_valid_manifest_equals_the_full_check(artifact, doc):
     fast = Manifest.from_json(json.dumps(copy.deepcopy(doc)), what="m")
     assert fast is not None
     full = reference_from_doc(copy.deepcopy(doc), "m")
-    assert fast == full == manifest
+    assert fast == full
+    assert fast.format_version == doc["format_version"] and (doc["format_version"] == 1 or fast == manifest)
     assert repr(fast) == repr(full)
-    assert fast.to_json() == full.to_json() == manifest.to_json()
-    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert fast.to_json() == full.to_json() == json.dumps(doc, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+    assert Manifest.from_json(fast.to_json()) == fast
     for cls, got, want in [(TensorEntry, fast.tensors, full.tensors), (BlockEntry, fast.blocks, full.blocks),
                            (FileEntry, fast.files, full.files)]:
         assert len(got) == len(want)
@@ -228,14 +254,17 @@ CASES = (
                               str, lambda o: None, lambda o: True])]
     + [(f"nbytes {i}", lambda d, v=v: d["tensors"][0].update(nbytes=v(d["tensors"][0]["nbytes"])))
        for i, v in enumerate([float, lambda n: n + 1, lambda n: 0, str, lambda n: None, lambda n: True])]
-    + [(f"sha256 {i}", lambda d, v=v: d["tensors"][2].update(sha256=v(d["tensors"][2]["sha256"])))
+    + [(f"digest {i}", lambda d, v=v: d["tensors"][2].update({digest_key(d): v(d["tensors"][2][digest_key(d)])}))
        for i, v in enumerate([str.upper, lambda s: s + "\n", lambda s: s[:-1], lambda s: s + "0",
                               lambda s: "g" + s[1:], lambda s: "é" + s[1:], lambda s: 5, lambda s: None,
                               lambda s: list(s), lambda s: " " + s[1:]])]
     + [("0-dim tensor bool size", lambda d: d["tensors"].__setitem__(
         0, dict(d["tensors"][0], dtype="U8", shape=[], nbytes=True)))]
     + [(f"tensor missing {k}", _delete(("tensors", 3, k)))
-       for k in ["name", "file", "dtype", "shape", "offset", "nbytes", "sha256"]]
+       for k in ["name", "file", "dtype", "shape", "offset", "nbytes"]]
+    + [("tensor missing digest", lambda d: d["tensors"][3].pop(digest_key(d))),
+       ("tensor digest of the other format", lambda d: d["tensors"][3].update(
+           {"sha256" if digest_key(d) == "xxh3_128" else "xxh3_128": d["tensors"][3].pop(digest_key(d))}))]
     + [("tensor extra key", _set(("tensors", 3, "extra"), 1)),
        ("tensor is a list", lambda d: d["tensors"].__setitem__(3, list(d["tensors"][3].values()))),
        ("tensor is a str", _set(("tensors", 3), "x")),
@@ -280,8 +309,10 @@ CASES = (
        ("content_digest None", _set(("content_digest",), None)),
        ("key", _set(("key",), "0" * 64)),
        ("format", _set(("format",), "x")),
-       ("format_version", _set(("format_version",), 2)),
+       ("format_version", _set(("format_version",), 3)),
+       ("format_version other", lambda d: d.update(format_version=3 - d["format_version"])),
        ("format_version True", _set(("format_version",), True)),
+       ("format_version 2.0", _set(("format_version",), 2.0)),
        ("identity", _set(("identity",), {})),
        ("extra top-level key", _set(("extra",), 1))]
 )
@@ -292,7 +323,8 @@ def naive_digest(doc: dict) -> None:
     or type checks (as a forger might): a fast path that skipped a check and
     relied on the digest instead would accept what the full check refuses."""
     try:
-        rows = sorted((t["name"], f'["{t["name"]}","{t["dtype"]}",{str(t["shape"]).replace(" ", "")},"{t["sha256"]}"]')
+        key = digest_key(doc)
+        rows = sorted((t["name"], f'["{t["name"]}","{t["dtype"]}",{str(t["shape"]).replace(" ", "")},"{t[key]}"]')
                       for t in doc["tensors"])
         text = "[" + ",".join(r for _, r in rows) + "]"
         doc["content_digest"] = "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()

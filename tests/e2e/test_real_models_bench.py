@@ -32,3 +32,9 @@ def test_real_models_bench_quick(tmp_path):
     assert all(r["outputs_equal"] for r in rows.values()) and res["outputs4_equal"]
     assert res["warm4_outcomes"] == ["LOCAL_HIT"] and res["concurrent"] == 2
     assert "warm vs library (hot)" in proc.stdout
+    # Cold rows: the publication ran after the start returned, completed, and was reported apart.
+    (cold,) = json.loads(out.read_text())["cold"]
+    assert cold["publish_state"] == "published" and cold["publish_s"] > 0
+    assert cold["published_after_s"] >= rows["hwr cold"]["startup_s"]
+    assert cold["next_start"] == "LOCAL_HIT" and cold["next_start_equal"]
+    assert "cold first output s" in proc.stdout

@@ -100,7 +100,8 @@ def test_a_blob_rewritten_in_place_under_a_lease_is_an_error(checkpoints, tmp_pa
     try:
         with dlo_runtime.from_pretrained(a, host_plan="hwr", socket=d.socket, device="cpu", progress=False) as cold:
             assert cold.outcome == "CANONICAL_FALLBACK"
-        assert cold.report.publish["ok"], cold.report.publish  # published: the child's load is a LOCAL_HIT
+            cold.wait_published(60)  # published in the background: the child's load is a LOCAL_HIT
+        assert cold.report.publish["ok"], cold.report.publish
         rc, out = _run("blob-rewrite", a, "", d.socket)
         assert rc == 0, (rc, out)
         assert out["outcome"] == "DataLoss", out

@@ -78,7 +78,7 @@ def test_cold_then_warm_in_fresh_workers_equals_the_library(dtype, minilm, hwrd,
     reference = embed(BertModel.from_pretrained(minilm, dtype=getattr(torch, dtype)).eval(), minilm)
     assert reference.dtype == getattr(torch, dtype) and reference.shape[-1] == 384
     with dlo_runtime.from_pretrained(minilm, socket=hwrd.socket, dtype=dtype, device="cpu", progress=False) as cold:
-        assert cold.outcome == "CANONICAL_FALLBACK" and cold.report.publish["ok"], cold.report
+        assert cold.outcome == "CANONICAL_FALLBACK" and cold.wait_published(60)["ok"], cold.report
         assert cold.report.producer_calls == 1 and cold.report.trail[-1] == "published"
         assert torch.equal(embed(cold.model, minilm), reference)
     for mode in ("preferred", "required"):  # each warm start in a fresh worker process

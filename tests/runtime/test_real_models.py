@@ -75,7 +75,7 @@ def test_cold_publishes_warm_restores_and_equals_the_library(name, saved, hwrd):
     assert shard_count(directory) >= 3 and any(n.endswith(".index.json") for n in os.listdir(directory))
     with dlo_runtime.from_pretrained(directory, socket=hwrd.socket, device="cpu", progress=False) as cold:
         assert cold.outcome == "CANONICAL_FALLBACK"
-        assert cold.report.publish["ok"], cold.report.publish
+        assert cold.wait_published(60)["ok"], cold.report.publish
         assert cold.report.producer_calls == 1 and cold.report.bytes_materialized > 0
         cold_out = output_of(cold.model, name)
     with dlo_runtime.from_pretrained(directory, socket=hwrd.socket, device="cpu", progress=False) as warm:
@@ -193,7 +193,7 @@ def test_fused_qkv_is_its_own_final_layout(saved, hwrd):
     directory = saved["flux"]
     with dlo_runtime.from_pretrained(directory, socket=hwrd.socket, device="cpu", fuse_qkv=True,
                                      progress=False) as cold:
-        assert cold.outcome == "CANONICAL_FALLBACK" and cold.report.publish["ok"]
+        assert cold.outcome == "CANONICAL_FALLBACK" and cold.wait_published(60)["ok"]
         assert any(n.endswith("attn.to_qkv.weight") for n in cold.model.state_dict())
     with dlo_runtime.from_pretrained(directory, socket=hwrd.socket, device="cpu", fuse_qkv=True,
                                      progress=False) as warm:
@@ -272,7 +272,7 @@ def test_hub_cache_snapshot_is_read_through_the_daemons_hub_trust(saved, tmp_pat
     d = make_daemon(base, "--source-root", str(base / "hub")).start()
     try:
         with dlo_runtime.from_pretrained(str(snap), socket=d.socket, progress=False) as cold:
-            assert cold.outcome == "CANONICAL_FALLBACK" and cold.report.publish["ok"]
+            assert cold.outcome == "CANONICAL_FALLBACK" and cold.wait_published(60)["ok"]
         with dlo_runtime.from_pretrained(str(snap), socket=d.socket, progress=False) as warm:
             assert warm.outcome == "LOCAL_HIT" and warm.key == cold.key
             out = output_of(warm.model, "bert")

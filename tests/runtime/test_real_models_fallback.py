@@ -165,7 +165,7 @@ def test_a_failed_publication_never_reads_as_published(tmp_path):
         directory = save_model("t5", str(tmp_path / "t5"))
         with dlo_runtime.from_pretrained(directory, socket=d.socket, progress=False) as cold:
             assert cold.outcome == "CANONICAL_FALLBACK"
-            assert cold.report.publish is not None and not cold.report.publish["ok"]
+            assert cold.wait_published(60) is not None and not cold.report.publish["ok"]
             trail = cold.report.trail
             assert "publish_scheduled" in [t.split(":")[0] for t in trail]
             assert trail[-1].startswith("publish_failed: ResourceExhausted"), trail

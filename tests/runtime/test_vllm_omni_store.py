@@ -105,6 +105,10 @@ def test_the_artifact_in_the_daemon_carries_the_identity_and_record(hwrd, tmp_pa
     wm = res.lease.manifest
     assert [f.file_name for f in wm.files] == ["model-00000.safetensors", "model-00001.safetensors"]
     assert {f.sha256 for f in wm.files} == {f.blob for f in manifest.files}
+    # Its per-tensor SHA-256s: the HWR manifest holds them (format 1, PlanSpec.tensor_sha256).
+    assert manifest.format_version == 1
+    assert {t.name: t.sha256 for t in wm.tensors} == {t.name: t.sha256 for t in manifest.tensors}
+    assert all(len(t.sha256) == 64 for t in wm.tensors)
     assert res.lease.provenance.identity_digest == ident.key and res.lease.provenance.validation_level == META.value
 
 

@@ -177,7 +177,7 @@ def test_pending_fsyncs_boundary(tmp_path, limit):
     assert len(checked.layouts) == limit + 1
     pub = Publication.begin(store, to_proto(plan), max_pending_fsyncs=limit)
     gate = threading.Event()
-    pub._fsync_pool.submit(gate.wait, 60)  # every fsync queues behind it
+    pub.payload._fsync_pool.submit(gate.wait, 60)  # every fsync queues behind it (message transport)
     files = [[(fi, off, bytes(d)) for off, d in iter_payload(lay, tensors, 4096)]
              for fi, lay in enumerate(checked.layouts)]
 

@@ -188,8 +188,8 @@ def test_a_manifest_that_lies_about_a_tensor(make_daemon_fixture, tmp_path, regi
     push(a, key, f"{proxy.host}/{repo}")
     with a.client() as c:
         doc = json.loads(c.call(c.runtime.Lookup, pb.LookupRequest(key=key)).manifest_json)
-    doc["tensors"][-1]["sha256"] = "0" * 64
-    doc["content_digest"] = content_digest((t["name"], t["dtype"], t["shape"], t["sha256"]) for t in doc["tensors"])
+    doc["tensors"][-1]["xxh3_128"] = "0" * 32
+    doc["content_digest"] = content_digest((t["name"], t["dtype"], t["shape"], t["xxh3_128"]) for t in doc["tensors"])
     lying = Manifest.from_json(json.dumps(doc))
     config = lying.to_json().encode()
     client = RegistryClient(reg.host, insecure=True)

@@ -22,7 +22,7 @@ from hwr_client.core.plan import check_plan, to_proto
 from hwr_client.tensors import build_plan
 from hwr_server.store import commit as commit_mod
 from hwr_server import failpoints
-from hwr_server.publish import publication as publication_mod
+from hwr_server.publish import streamed as streamed_mod
 from hwr_server.metrics import store_stats
 from hwr_server.publish.publication import Publication
 from hwr_server.store.staging_io import Coverage
@@ -67,7 +67,7 @@ def test_ordered_mode_reads_no_payload_back(tmp_path, monkeypatch):
     tensors = {f"blocks.{i}.w": torch.full((1024, 1024), float(i)) for i in range(8)}  # 32 MiB
     plan = build_plan(identity(t="noread"), tensors, file_target_bytes=8 << 20)
     calls = []
-    monkeypatch.setattr(publication_mod, "readback", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(streamed_mod, "readback", lambda *a, **k: calls.append(a))
     chunks = chunks_of(plan, tensors, 4 << 20)
     before = _rchar()
     pub = Publication.begin(store, to_proto(plan))

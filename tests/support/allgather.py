@@ -24,6 +24,7 @@ import socket
 import sys
 import time
 import traceback
+import types
 
 import pytest
 import torch
@@ -218,7 +219,13 @@ def sc_cold(rank, size, pg, env):
     try:
         out = worker.forward(*sample_inputs(SMALL, seed=0))
         kept = worker._publish_source is not None
-        published = worker.publish()
+        # In the background, as a serving rank 0 does: the full tensors it
+        # kept are read by the publication's thread and freed when it ends.
+        pub = worker.publish(background=True)
+        published = pub.wait_published(120) if pub is not None else None
+        if published is not None:
+            published = types.SimpleNamespace(ok=published["ok"], already_published=published["already_published"],
+                                              bytes_written=published["bytes_written"])
         # The guard behind publication: the served model's host tensors are
         # placeholders on an AllGather rank and are refused, never published.
         worker._publish_pending, worker._publish_source = True, worker.host_tensors()

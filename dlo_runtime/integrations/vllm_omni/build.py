@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 import torch
+import xxhash
 from vllm_omni.host_weight_runtime import (
     CapacityPolicy,
     CoordinationScope,
@@ -214,18 +215,22 @@ def staged_plan(ident: Identity, staged: Staged) -> PlanSpec:
     if groups and all(len({where[n] for n in names}) == 1 for _, names in groups):
         # Names in a file are sorted, so a block's names (one prefix) are adjacent there.
         blocks = tuple(BlockSpec(i, prefix, tuple(sorted(names))) for i, (prefix, names) in enumerate(groups))
+    # vLLM-Omni's manifest holds each tensor's SHA-256: the HWR manifest
+    # records those (format 1) rather than xxh3-128s (records.vllm_manifest).
     return PlanSpec(ident, files, blocks, ordered=True,
-                    annotations=annotations(staged.metadata, staged.classes()))
+                    annotations=annotations(staged.metadata, staged.classes()), tensor_sha256=True)
 
 
-def _staged_digest(staged: Staged) -> str:
-    """HWR's content digest of the staged tensors (one SHA-256 pass over
-    them; paid only when another publisher got there first)."""
+def _staged_digest(staged: Staged, format_version: int) -> str:
+    """HWR's content digest of the staged tensors with the tensor digest of
+    manifest format ``format_version`` (one pass over them; paid only when
+    another publisher got there first)."""
+    new = hashlib.sha256 if format_version == 1 else xxhash.xxh3_128
     rows = []
     try:
         for name, t in staged.tensors().items():
             raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-            rows.append((name, dtype_name(t.dtype), tuple(t.shape), hashlib.sha256(raw).hexdigest()))
+            rows.append((name, dtype_name(t.dtype), tuple(t.shape), new(raw).hexdigest()))
     finally:
         staged.close()
     return content_digest(rows)
@@ -240,7 +245,7 @@ def _settle(existing: Manifest, staged: Staged, record: Record) -> StoreResult |
         theirs, problem = None, str(exc)
     else:
         problem = ""
-    ours_digest = _staged_digest(staged)
+    ours_digest = _staged_digest(staged, existing.format_version)
     if theirs == record and existing.content_digest == ours_digest:
         return JOINED
     detail = problem or (f"content {existing.content_digest} against ours {ours_digest}"

@@ -208,6 +208,12 @@ def vllm_manifest(manifest: Manifest, identity: WeightArtifactIdentity, record: 
             (duplicate file names, ...), naming the rule.
     """
     files = manifest.files
+    if manifest.format_version != 1:
+        # The adapter publishes with PlanSpec.tensor_sha256 (build.staged_plan);
+        # a manifest of xxh3-128 tensor digests cannot fill vLLM-Omni's.
+        raise IncompatibleArtifact(f"HWR artifact {manifest.key[:12]}: manifest format {manifest.format_version} "
+                                   "records no per-tensor SHA-256, which vLLM-Omni's manifest needs (publish "
+                                   "with tensor_sha256)")
     tensors = []
     for t in sorted(manifest.tensors, key=lambda t: t.name):
         kind, role = record.classes[t.name]

@@ -7,30 +7,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PublishRequest(_message.Message):
-    __slots__ = ("plan", "chunk", "commit")
+    __slots__ = ("plan", "chunk", "commit", "written")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
     plan: PublishPlan
     chunk: PayloadChunk
     commit: PublishCommit
-    def __init__(self, plan: _Optional[_Union[PublishPlan, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., commit: _Optional[_Union[PublishCommit, _Mapping]] = ...) -> None: ...
+    written: FileWritten
+    def __init__(self, plan: _Optional[_Union[PublishPlan, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., commit: _Optional[_Union[PublishCommit, _Mapping]] = ..., written: _Optional[_Union[FileWritten, _Mapping]] = ...) -> None: ...
 
 class PublishPlan(_message.Message):
-    __slots__ = ("identity_json", "files", "blocks", "ordered", "declared_content_digest", "annotations_json")
+    __slots__ = ("identity_json", "files", "blocks", "ordered", "declared_content_digest", "annotations_json", "file_handoff", "tensor_sha256")
     IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ORDERED_FIELD_NUMBER: _ClassVar[int]
     DECLARED_CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ANNOTATIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    FILE_HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_SHA256_FIELD_NUMBER: _ClassVar[int]
     identity_json: str
     files: _containers.RepeatedCompositeFieldContainer[FilePlan]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockPlan]
     ordered: bool
     declared_content_digest: str
     annotations_json: str
-    def __init__(self, identity_json: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., blocks: _Optional[_Iterable[_Union[BlockPlan, _Mapping]]] = ..., ordered: _Optional[bool] = ..., declared_content_digest: _Optional[str] = ..., annotations_json: _Optional[str] = ...) -> None: ...
+    file_handoff: bool
+    tensor_sha256: bool
+    def __init__(self, identity_json: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., blocks: _Optional[_Iterable[_Union[BlockPlan, _Mapping]]] = ..., ordered: _Optional[bool] = ..., declared_content_digest: _Optional[str] = ..., annotations_json: _Optional[str] = ..., file_handoff: _Optional[bool] = ..., tensor_sha256: _Optional[bool] = ...) -> None: ...
 
 class FilePlan(_message.Message):
     __slots__ = ("name", "tensors", "declared_sha256")
@@ -64,6 +70,16 @@ class BlockPlan(_message.Message):
     tensors: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, index: _Optional[int] = ..., prefix: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class FileWritten(_message.Message):
+    __slots__ = ("file_index", "data_bytes", "complete")
+    FILE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    file_index: int
+    data_bytes: int
+    complete: bool
+    def __init__(self, file_index: _Optional[int] = ..., data_bytes: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
 class PayloadChunk(_message.Message):
     __slots__ = ("file_index", "offset", "data")
     FILE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -87,18 +103,20 @@ class PublishEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[PublishAccepted, _Mapping]] = ..., committed: _Optional[_Union[PublishCommitted, _Mapping]] = ...) -> None: ...
 
 class PublishAccepted(_message.Message):
-    __slots__ = ("key", "publication_id", "files", "max_chunk_bytes", "already_published")
+    __slots__ = ("key", "publication_id", "files", "max_chunk_bytes", "already_published", "handoff_token")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PUBLICATION_ID_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALREADY_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TOKEN_FIELD_NUMBER: _ClassVar[int]
     key: str
     publication_id: str
     files: _containers.RepeatedCompositeFieldContainer[FileLayout]
     max_chunk_bytes: int
     already_published: bool
-    def __init__(self, key: _Optional[str] = ..., publication_id: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FileLayout, _Mapping]]] = ..., max_chunk_bytes: _Optional[int] = ..., already_published: _Optional[bool] = ...) -> None: ...
+    handoff_token: str
+    def __init__(self, key: _Optional[str] = ..., publication_id: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FileLayout, _Mapping]]] = ..., max_chunk_bytes: _Optional[int] = ..., already_published: _Optional[bool] = ..., handoff_token: _Optional[str] = ...) -> None: ...
 
 class FileLayout(_message.Message):
     __slots__ = ("data_size", "tensor_offsets")

@@ -107,6 +107,12 @@ class RuntimeServicer:
         accepted (or refused: conflict, capacity, validation) BEFORE any payload
         is sent. Client sends: one `plan`, then `chunk`s, then one `commit`.
         Server sends: one `accepted` after the plan, one `committed` at the end.
+        With the handoff transport (PublishPlan.file_handoff, granted by a
+        non-empty PublishAccepted.handoff_token) the payload bytes never travel
+        in messages: the client writes each staging file through a descriptor
+        the daemon hands over on the Unix socket `<runtime socket>.pub`
+        (SCM_RIGHTS), then sends `written`; the daemon seals the file (proves no
+        writable descriptor is left), hashes what the file holds and fsyncs it.
         A broken stream or any error leaves nothing visible and no staging.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

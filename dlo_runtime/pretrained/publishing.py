@@ -1,0 +1,60 @@
+"""Publication after a cold :func:`~dlo_runtime.pretrained.from_pretrained`:
+the runtime tensors handed to :mod:`dlo_runtime.background`, and the
+progress line it may print.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from torch import nn
+
+from dlo_runtime.pretrained.contract import PretrainedContract
+from dlo_runtime.pretrained.skeleton import publish_groups
+from dlo_runtime.restore import tensor_slots
+
+
+def publish_in_background(model: nn.Module, contract: PretrainedContract, identity: Any, socket: str,
+                          report: Any, progress: bool | Callable[[int, int], None]) -> Any:
+    """Starts the publication of a preferred miss on its own thread
+    (:mod:`dlo_runtime.background`); the start returns without waiting.
+    ``report`` (the start's :class:`~dlo_runtime.pretrained.PretrainedReport`):
+    ``publish`` says ``running`` until it ends, then holds its report;
+    ``seconds["publish"]`` its seconds; the trail its outcome. Returns the
+    :class:`~dlo_runtime.background.BackgroundPublication`."""
+    from dlo_runtime.background import RUNNING, BackgroundPublication
+
+    # On a CUDA device the backend moved the non-block tensors there:
+    # publication takes host bytes (these small copies are its own; the
+    # streamed blocks stay on the host and are read in place).
+    tensors = {s.name: s.tensor.detach() if s.tensor.device.type == "cpu" else s.tensor.detach().cpu()
+               for s in tensor_slots(model).slots}
+    show = (progress if callable(progress) else
+            progress_printer(f"hwr: publishing {contract.name}") if progress else None)
+
+    def done(result: dict[str, Any]) -> None:
+        report.publish = result
+        report.seconds["publish"] = result["seconds"]
+        # After `publish_scheduled` (_step): what became of it, never "published" before it is.
+        report.trail.append(result["state"] if result["ok"] else f"publish_failed: {result['error']}")
+
+    report.publish = {"state": RUNNING, "ok": False, "key": identity.key}
+    return BackgroundPublication(socket, identity, tensors, blocks=publish_groups(model, contract.blocks(model)),
+                                 progress=show, on_done=done)
+
+
+def progress_printer(what: str) -> Callable[[int, int], None]:
+    """A progress callback printing ``what`` at each quarter to stderr."""
+    last = [-1]
+
+    def show(done: int, total: int) -> None:
+        step = 100 * done // max(total, 1) // 25 * 25
+        if step > last[0]:
+            last[0] = step
+            print(f"{what} {step:3d}%  ({done >> 20} / {total >> 20} MiB)", file=sys.stderr, flush=True)
+
+    return show
+
+
+__all__ = ["progress_printer", "publish_in_background"]
