@@ -60,8 +60,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from hwr_client.core.errors import FailedPrecondition, InvalidArgument
-from hwr_client.resolve import Mode, Outcome, parse_mode
+from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument
+from hwr_client.core.identity import Identity
+from hwr_client.resolve import Mode, Outcome, Resolution, parse_mode
+from hwr_client.sources import canonical_sources
+from hwr_client.start import resolve_start
 
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
@@ -286,10 +289,20 @@ def from_pretrained(
         raise InvalidArgument(f"{contract.name}: no blocks found to stream; pass blocks=[...] module names")
     client = hwr_client.connect(socket)
     pending: list[bool] = []
-    try:
+    resolved: list[Resolution] = []
+
+    def resolve() -> Resolution:
+        # One call: the daemon vouches for the sources, builds the identity
+        # and leases a hit (hwr_client.start); nothing is hashed here unless
+        # the daemon cannot vouch (the notes then say why).
         t = time.perf_counter()
-        identity = contract.identity(files.directory, client=client)
-        seconds["identity"] = round(time.perf_counter() - t, 6)
+        res = resolve_start(client, contract.identity_template(),
+                            canonical_sources(contract.source_files(files.directory)), mode=mode)
+        seconds["resolve"] = round(time.perf_counter() - t, 6)
+        resolved.append(res)
+        return res
+
+    try:
         recipe = ModelRecipe(
             build_skeleton=contract.build_skeleton,
             load_canonical=lambda skel, copts: contract.canonical_load(skel, mmap=copts.checkpoint_mmap),
@@ -298,14 +311,15 @@ def from_pretrained(
             publish_after_load=lambda m: pending.append(True),
         )
         t = time.perf_counter()
-        result = StartupTransaction(mode, recipe, lambda: client.resolve(identity, mode=mode), options).run()
+        result = StartupTransaction(mode, recipe, resolve, options).run()
         seconds["start"] = round(time.perf_counter() - t, 6)
     except BaseException:
         client.close()
         raise
     model, backend = result.model, result.backend
-    report = PretrainedReport(result.outcome.value, identity.key, contract.name, contract.library_version,
+    report = PretrainedReport(result.outcome.value, "", contract.name, contract.library_version,
                               trail=[f"{s.what}: {s.note}" if s.note else s.what for s in result.trail])
+    identity = _identity_of(resolved[0], report)
     report.host_plan_reason = describe(refused, "hwr")
     report.producer_calls = contract.counters.producer_calls
     report.checkpoint_bytes_read = contract.counters.checkpoint_bytes_read
@@ -316,7 +330,7 @@ def from_pretrained(
     if device is not None:
         _block_report(model, contract.blocks(model)[options.resident_blocks:], report)
     loaded = LoadedModel(model, report, backend=backend, client=client, contract=contract)
-    if pending:
+    if pending and identity is not None:
         t = time.perf_counter()
         # On a CUDA device the backend moved the non-block tensors there:
         # publication takes host bytes (streamed blocks stay on the host).
@@ -333,6 +347,23 @@ def from_pretrained(
     log.info("from_pretrained %s: %s in %.3fs (materialized %d bytes, %d producer calls)", contract.name,
              report.outcome, seconds["total"], report.bytes_materialized, report.producer_calls)
     return loaded
+
+
+def _identity_of(res: Resolution, report: PretrainedReport) -> Identity | None:
+    """The start's identity into the report (key, notes). A deferred one
+    (a certain miss loaded canonically while the sources were hashed) is
+    waited for here, after the load; one that failed is a note: nothing is
+    published, the model serves."""
+    report.notes += list(res.notes)
+    try:
+        identity = res.identity_now()
+    except HwrError as exc:
+        report.notes.append(f"source identity could not be completed ({type(exc).__name__}: {exc}); "
+                            "nothing published")
+        log.warning("from_pretrained: %s", report.notes[-1])
+        return None
+    report.key = identity.key if identity is not None else ""
+    return identity
 
 
 def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: HostWeightPlan, device: Any,

@@ -1,5 +1,5 @@
 """Who may have a source file vouched for: the access rule of
-ResolveSources (DESIGN §6).
+ResolveSources and ResolveLease (DESIGN §6).
 
 The daemon runs as root and must never vouch for a file its caller could
 not read itself. Each path is resolved ONCE
@@ -8,17 +8,31 @@ real path, the type, the caller's access and the read all go through that
 descriptor, so a link flipped meanwhile cannot swap in another file. The
 file is answered for only when all hold:
 
-1. its real path (as the kernel records it for the descriptor) lies under a
-   configured source root;
-2. the caller may search every directory from that source root down to it
-   and read the file itself (:func:`may_access`). While the caller's uid is
-   unknown (:func:`hwr_server.access.peers.peer_of` before the credentials
-   handshake) the caller is treated as "others": the file must be ``o+r``
-   and every directory from the source root down ``o+x``, and neither may
-   carry a POSIX ACL (it could deny a user the mode bits allow). A known uid
-   gets the kernel's owner/group/other rule, erring on "no": uid 0
-   everything, the owner its owner bits, any other uid the group AND the
-   other bits (its groups are not known yet);
+1. where the daemon may read from:
+
+   - **no source roots configured** (the default): any regular file, for a
+     caller whose uid the daemon has PROVEN (the credentials handshake of
+     :mod:`hwr_server.access.peers`) and who sees the same files under the
+     same names (:func:`mount_view_problem`: the daemon's mount namespace
+     and root directory). The walk of step 2 then starts at ``/``. A
+     caller whose uid is not proven (an old client, raw gRPC, a process in
+     a pid namespace the daemon cannot see) gets nothing: the file's mode
+     bits alone cannot say that the caller may read it;
+   - **source roots configured** (``--source-root``, ``source_roots``): an
+     operator's restriction. The real path must lie under one of them; a
+     caller of unknown uid is answered by the "others" rule below (the
+     operator vouched that paths there mean the same files to every caller
+     of the socket);
+
+2. the caller may search every directory from that source root (``/``
+   without roots) down to it and read the file itself
+   (:func:`may_access`). While the caller's uid is unknown the caller is
+   treated as "others": the file must be ``o+r`` and every directory from
+   the source root down ``o+x``, and neither may carry a POSIX ACL (it
+   could deny a user the mode bits allow). A known uid gets the kernel's
+   owner/group/other rule, erring on "no": uid 0 everything, the owner its
+   owner bits, any other uid the group AND the other bits (its groups are
+   not known yet);
 3. walking that real path again from the source root, one component at a
    time without following links, reaches the same inode (it was not moved).
 
@@ -99,23 +113,78 @@ _RULE = ("the daemon vouches only for files its caller could read itself (caller
          "others (o+r) in directories searchable by others (o+x) from the source root down, no ACLs); the client "
          "hashes the file itself")
 
+#: Why a caller of unproven uid gets nothing from a daemon without source
+#: roots; the client shows it in its report (it names the fix).
+UNPROVEN_CALLER = ("the daemon (no source roots configured) vouches for a file only to a caller whose uid it has "
+                   "proven with the credentials handshake (the runtime socket's '.cred' side socket), and this "
+                   "caller proved none (an older client, raw gRPC, a process in a pid namespace the daemon cannot "
+                   "see, or a credentials socket it may not connect to); the client hashes the file itself")
+
+
+def mount_view_problem(pid: int) -> str | None:
+    """Why the process ``pid`` may see other files under the same names than
+    the daemon does, or None when it sees the same: its mount namespace and
+    its root directory must be the daemon's. A worker in a container (its
+    own mount namespace) or a chroot names files the daemon would resolve
+    to something else, so the daemon must not answer for its paths.
+
+    Reading another process's ``/proc/<pid>/ns/mnt`` needs the right to
+    inspect it (a daemon running as root has it; an unprivileged daemon only
+    for its own uid): what cannot be read is a problem too.
+    """
+    try:
+        theirs = (os.stat(f"/proc/{pid}/ns/mnt"), os.stat(f"/proc/{pid}/root"))
+        mine = (os.stat("/proc/self/ns/mnt"), os.stat("/"))
+    except OSError as exc:
+        return f"the daemon cannot inspect the mount view of pid {pid} ({exc.strerror})"
+    if (theirs[0].st_dev, theirs[0].st_ino) != (mine[0].st_dev, mine[0].st_ino):
+        return (f"pid {pid} runs in another mount namespace than the daemon (a container?): its paths may name "
+                "other files than the daemon's")
+    if (theirs[1].st_dev, theirs[1].st_ino) != (mine[1].st_dev, mine[1].st_ino):
+        return f"pid {pid} has another root directory than the daemon (chroot): its paths name other files"
+    return None
+
 
 class SourceAccess:
     """Checks requested source paths against the source roots and the
     caller's rights; see the module doc. Stateless, thread-safe.
 
     Args:
-        roots: the source roots, as real paths (symlinks resolved).
+        roots: the source roots, as real paths (symlinks resolved); empty:
+            no restriction, proven callers only (module doc, step 1).
     """
 
     def __init__(self, roots: list[str]):
         self.roots = list(roots)
 
+    @property
+    def restricted(self) -> bool:
+        """True when source roots restrict where the daemon reads."""
+        return bool(self.roots)
+
     def root_of(self, real: str) -> str | None:
         """The outermost source root holding ``real`` (the most directories
-        to check), or None."""
+        to check), or None; ``/`` when no roots restrict the daemon."""
+        if not self.roots:
+            return "/"
         inside = [r for r in self.roots if _under(real, r)]
         return min(inside, key=len) if inside else None
+
+    def check_caller(self, peer: Peer) -> None:
+        """Checks, once per request, what does not depend on the path: a
+        daemon without source roots answers only a proven caller that sees
+        the daemon's files (module doc, step 1).
+
+        Raises:
+            PermissionDenied: naming why (the client hashes itself).
+        """
+        if self.roots:
+            return
+        if peer.uid is None or peer.pid is None:
+            raise PermissionDenied(f"sources: {UNPROVEN_CALLER}")
+        problem = mount_view_problem(peer.pid)
+        if problem is not None:
+            raise PermissionDenied(f"sources: {problem}; the client hashes the file itself")
 
     def outside(self, path: str, norm: str, real: str) -> PermissionDenied:
         """The refusal of ``path`` (normalized ``norm``) whose real path
@@ -126,13 +195,15 @@ class SourceAccess:
                 f"root {self.roots}; refused"
             )
         return PermissionDenied(
-            f"source {path}: outside the daemon's source roots {self.roots}; add one with --source-root "
-            "(the client hashes it itself meanwhile)"
+            f"source {path}: outside the daemon's source roots {self.roots} (an operator's restriction: add a "
+            "root with --source-root, or configure none so that the daemon vouches for any file its caller may "
+            "read); the client hashes it itself meanwhile"
         )
 
     def check(self, path: str, peer: Peer) -> tuple[str, os.stat_result, str]:
         """Checks one requested path for ``peer`` (module doc, steps 1-3),
-        all on ONE resolution of the name.
+        all on ONE resolution of the name. The per-request part of step 1
+        (:meth:`check_caller`) is the caller's to run first.
 
         Returns:
             (normalized path, fstat of the file, its real path).
@@ -140,9 +211,10 @@ class SourceAccess:
         Raises:
             InvalidArgument: a relative path, a NUL byte, PATH_MAX or more
                 bytes, a directory, FIFO or device.
-            PermissionDenied: outside the source roots; ``peer`` (or the
-                daemon) may not read it; or behind a directory ``peer`` may
-                not search (whatever the file-system error there was).
+            PermissionDenied: outside the source roots; no roots and
+                ``peer``'s uid unknown; ``peer`` (or the daemon) may not read
+                it; or behind a directory ``peer`` may not search (whatever
+                the file-system error there was).
             NotFound: a missing file or a broken link, where ``peer`` may look.
             FailedPrecondition: the file moved while it was checked.
         """
@@ -150,11 +222,10 @@ class SourceAccess:
             raise InvalidArgument(f"source {path!r}: expected an absolute path")
         check_path_text(path, f"source {path!r}")
         norm = normalize_path(path)
-        if not self.roots:
-            raise PermissionDenied(
-                f"source {path}: the daemon has no source roots; start it with --source-root DIR "
-                "(or source_roots in its config). The client hashes the file itself."
-            )
+        if not self.roots and peer.uid is None:
+            # check_caller refuses the whole request first; this keeps a
+            # direct caller of check() from ever walking for an unknown uid.
+            raise PermissionDenied(f"source {path}: {UNPROVEN_CALLER}")
         try:
             pfd = open_path(norm)
         except HwrError as exc:

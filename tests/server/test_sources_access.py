@@ -6,8 +6,10 @@ import json
 import os
 import pwd
 import shutil
+import subprocess
 import tempfile
 import threading
+import time
 
 import pytest
 
@@ -66,10 +68,53 @@ def test_one_path_rule_for_daemon_and_client(make_cache, src):
     assert cache.resolve([str(src) + "//./k.bin"])[0].origin == "cache"
 
 
-def test_no_source_roots_refuses_everything(make_cache, src):
-    path = write(src / "a.bin", b"x")
-    with pytest.raises(PermissionDenied, match="no source roots; start it with --source-root"):
-        make_cache(roots=[]).resolve([path])
+def test_no_source_roots_vouches_for_any_file_a_proven_caller_may_read(make_cache, request):
+    """The default: no source roots. A proven caller (uid and pid known, the
+    daemon's mount view) gets any regular file it may read, wherever it
+    lies; an unproven one gets nothing (its uid cannot be checked against
+    the file's mode); a caller in another mount namespace gets nothing (its
+    paths may name other files)."""
+    # Under /tmp: pytest's tmp_path sits in a 0700 directory no other uid may search.
+    base = tempfile.mkdtemp(prefix="hwr-src-", dir="/tmp")
+    os.chmod(base, 0o755)
+    request.addfinalizer(lambda: shutil.rmtree(base))
+    elsewhere = write(os.path.join(base, "deep", "a.bin"), b"x" * 10)
+    os.chmod(os.path.dirname(elsewhere), 0o755)
+    os.chmod(elsewhere, 0o644)
+    private = write(os.path.join(base, "private.bin"), b"p")
+    os.chmod(private, 0o600)
+    cache = make_cache(roots=[])
+    me = Peer(pid=os.getpid(), uid=0)
+    assert cache.resolve([elsewhere], peer=me)[0].content_id == sha(b"x" * 10)
+    assert cache.resolve([elsewhere], peer=me)[0].origin == "cache"
+    with pytest.raises(PermissionDenied, match="proved none"):
+        cache.resolve([elsewhere])  # anonymous
+    # Another uid: the daemon walks from / with that uid's rights.
+    other = Peer(pid=os.getpid(), uid=4321)
+    assert cache.resolve([elsewhere], peer=other)[0].origin == "cache"
+    with pytest.raises(PermissionDenied, match=f"uid 4321 may not read {private}"):
+        cache.resolve([private], peer=other)
+    each = cache.resolve_each([elsewhere, private], peer=other)
+    assert each[0].origin == "cache" and isinstance(each[1], PermissionDenied)
+    # A process in its own mount namespace (a container's worker).
+    child = subprocess.Popen(["unshare", "--mount", "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while os.stat(f"/proc/{child.pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino:
+            assert time.monotonic() < deadline, "unshare did not enter a new mount namespace"
+            time.sleep(0.01)
+        with pytest.raises(PermissionDenied, match=f"pid {child.pid} runs in another mount namespace"):
+            cache.resolve([elsewhere], peer=Peer(pid=child.pid, uid=0))
+    finally:
+        child.kill()
+        child.wait()
+    assert cache.hash_calls == 1
+
+
+def test_source_roots_restrict_a_proven_caller_too(make_cache, src, tmp_path):
+    outside = write(tmp_path / "elsewhere" / "b.bin", b"b")
+    with pytest.raises(PermissionDenied, match=r"outside the daemon.s source roots .* \(an operator.s restriction"):
+        make_cache().resolve([outside], peer=Peer(pid=os.getpid(), uid=0))
 
 
 def test_relative_path_is_invalid(make_cache):
