@@ -48,7 +48,8 @@ import grpc
 from hwr_client.channel import DEFAULT_TIMEOUT_S, peer_token
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.digests import absolute_path
-from hwr_client.core.errors import FailedPrecondition, HwrError, NotFound, ResourceExhausted, Unavailable
+from hwr_client.core.errors import (FailedPrecondition, HwrError, InvalidArgument, NotFound, ResourceExhausted,
+                                    Unavailable)
 from hwr_client.core.identity import Identity
 from hwr_client.resolve import (Mode, Outcome, Resolution, failed, lease_or_miss, missed, parse_mode,
                                 resolve as resolve_key)
@@ -87,6 +88,9 @@ def resolve_start(client: Any, template: Mapping[str, Any], sources: Sequence[tu
     if mode is Mode.DISABLED:
         return Resolution(Outcome.CANONICAL_FALLBACK, mode, reason="HWR disabled")
     try:
+        if "sources" in template:
+            raise InvalidArgument("identity template: expected the document without \"sources\" (they are "
+                                  "given as (name, path) pairs)")
         named = [(str(n), absolute_path(p)) for n, p in sources]
         # Validated here first, so that a bad template is FAILED without a call.
         _identity(template, named, [_PLACEHOLDER] * len(named))
