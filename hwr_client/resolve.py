@@ -55,13 +55,17 @@ class Outcome(str, enum.Enum):
     disabled mode resolves to CANONICAL_FALLBACK: the caller loads
     canonically either way). DISABLED is what a worker start reports when
     it never touched HWR (:class:`dlo_runtime.StartupTransaction`), so a
-    report tells "HWR off" apart from "HWR missed".
+    report tells "HWR off" apart from "HWR missed". CHECKPOINT_MMAP is a
+    start served from the checkpoint's own mapping because its runtime
+    layout is the checkpoint's (``from_pretrained(host_plan="auto")``): no
+    daemon call, nothing leased or published.
     """
 
     LOCAL_HIT = "LOCAL_HIT"
     CANONICAL_FALLBACK = "CANONICAL_FALLBACK"
     DISABLED = "DISABLED"
     FAILED = "FAILED"
+    CHECKPOINT_MMAP = "CHECKPOINT_MMAP"
 
     def __str__(self) -> str:
         return self.value

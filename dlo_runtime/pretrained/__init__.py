@@ -82,16 +82,21 @@ class PretrainedReport:
     """What a :func:`from_pretrained` start did and cost.
 
     Attributes:
-        outcome: ``LOCAL_HIT``, ``CANONICAL_FALLBACK`` or ``DISABLED``.
+        outcome: ``LOCAL_HIT``, ``CANONICAL_FALLBACK``, ``DISABLED`` or
+            ``CHECKPOINT_MMAP`` (served from the checkpoint's own mapping).
         key: identity key ("" when disabled).
         contract: ``<library>:<Class>``; ``library_version`` its version.
-        seconds: wall seconds per phase, and ``total``.
+        seconds: wall seconds per phase (``skeleton``, ``preflight``,
+            ``resolve``: identity and lease in one call, ``start``,
+            ``publish``), and ``total``.
         bytes_materialized: private bytes this process allocated for the
             model's tensors (0 on a warm start).
         producer_calls: canonical loads run (0 on a warm start).
         blocks: names of the streamed blocks, in order; ``streamed_bytes``
             their bytes; ``streamed_fraction`` their share of the parameters.
-        notes: anything worth a look (streamed blocks under half the model).
+        notes: anything worth a look (streamed blocks under half the model;
+            source files the worker hashed itself, why, and what would make
+            the start fast).
         publish: the publish-after-load report on a preferred miss.
         trail: the startup transaction's steps.
         host_plan: the host-weight plan taken: ``"checkpoint-mmap"``,
@@ -232,9 +237,10 @@ def from_pretrained(
             the behaviour above), ``"ordinary"`` (the library's own load,
             as ``mode="disabled"``), ``"checkpoint-mmap"`` (read-only views
             of the checkpoint's mapping; raises when preflight refuses),
-            ``"auto"`` (checkpoint-mmap where preflight passes and ``mode``
-            is not ``"required"``, else HWR in ``mode``). The report says
-            which was taken and why.
+            ``"auto"`` (the cheapest for the case: checkpoint-mmap where
+            preflight passes and ``mode`` is not ``"required"``, else HWR
+            in ``mode``). The report says which was taken and why: outcome
+            ``CHECKPOINT_MMAP`` for the checkpoint's own mapping.
 
     Returns:
         The :class:`LoadedModel`; close it (or use ``with``).
@@ -254,31 +260,37 @@ def from_pretrained(
     target = dtype_of(dtype)
     seconds: dict[str, float] = {}
     refused: HostWeightPlan | None = None
+    contract: PretrainedContract | None = None
+    spare: list[nn.Module] = []  # a skeleton preflight built and did not touch: the HWR path's first
     if host_plan == "checkpoint-mmap" or (host_plan == "auto" and mode is not Mode.REQUIRED):
         contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
         skeleton = contract.build_skeleton()
+        seconds["skeleton"] = round(time.perf_counter() - t0, 6)
+        t = time.perf_counter()
         plan = preflight(skeleton, files.weights, contract.blocks(skeleton),
                          transforms=("fuse_qkv",) if fuse_qkv else ())
+        seconds["preflight"] = round(time.perf_counter() - t, 6)
         if plan.accepted:
-            return _checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0)
+            return _checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0, seconds, host_plan)
         if host_plan == "checkpoint-mmap":
             raise FailedPrecondition(f"{files.directory}: host_plan='checkpoint-mmap' refused by preflight: "
                                      f"{plan.reason}; use host_plan='auto' to fall back to HWR")
         refused = plan
-        del skeleton
+        spare.append(skeleton)
     if mode is Mode.DISABLED or host_plan == "ordinary":
         loaded = _disabled(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0)
         loaded.report.host_plan = "ordinary"
-        loaded.report.host_plan_reason = describe(refused, "ordinary")
+        loaded.report.host_plan_reason = describe(refused, "ordinary", host_plan)
         return loaded
     from dlo_runtime.options import OffloadOptions
     from dlo_runtime.transaction import ModelRecipe, StartupTransaction
 
     import hwr_client
 
-    contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
-    seconds["skeleton"] = round(time.perf_counter() - t0, 6)
-    nblocks = contract.block_count()
+    if contract is None:
+        contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
+        seconds["skeleton"] = round(time.perf_counter() - t0, 6)
+    nblocks = len(contract.blocks(spare[0])) if spare else contract.block_count()
     if device is None:
         # Resident: the backend keeps every block on the CPU and streams none,
         # but still owns (and closes) the lease on a warm start.
@@ -304,7 +316,7 @@ def from_pretrained(
 
     try:
         recipe = ModelRecipe(
-            build_skeleton=contract.build_skeleton,
+            build_skeleton=lambda: spare.pop() if spare else contract.build_skeleton(),
             load_canonical=lambda skel, copts: contract.canonical_load(skel, mmap=copts.checkpoint_mmap),
             select_blocks=contract.blocks,
             finalize=contract.finalize,
@@ -320,7 +332,7 @@ def from_pretrained(
     report = PretrainedReport(result.outcome.value, "", contract.name, contract.library_version,
                               trail=[f"{s.what}: {s.note}" if s.note else s.what for s in result.trail])
     identity = _identity_of(resolved[0], report)
-    report.host_plan_reason = describe(refused, "hwr")
+    report.host_plan_reason = describe(refused, "hwr", host_plan)
     report.producer_calls = contract.counters.producer_calls
     report.checkpoint_bytes_read = contract.counters.checkpoint_bytes_read
     report.bytes_materialized = contract.counters.bytes_materialized
@@ -367,10 +379,11 @@ def _identity_of(res: Resolution, report: PretrainedReport) -> Identity | None:
 
 
 def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: HostWeightPlan, device: Any,
-                     resident_blocks: int, t0: float) -> LoadedModel:
+                     resident_blocks: int, t0: float, seconds: dict[str, float], asked: str) -> LoadedModel:
     """An accepted plan: runtime tensors are read-only views of the
     checkpoint's mapping; DLO streams each block's span (or, with no
-    device, every block stays resident on those views). Nothing published."""
+    device, every block stays resident on those views). Nothing published,
+    no daemon call: the outcome says so (``CHECKPOINT_MMAP``)."""
     from dlo_runtime.backend import OffloadBackend
     from dlo_runtime.options import OffloadOptions
     from dlo_runtime.restore import finalize_shared
@@ -384,8 +397,9 @@ def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: Ho
         found = contract.blocks(skeleton)
         options = (OffloadOptions(device="cpu", resident_blocks=len(found)) if device is None
                    else OffloadOptions(device=device, resident_blocks=resident_blocks))
-        report = PretrainedReport(Outcome.DISABLED.value, "", contract.name, contract.library_version,
-                                  host_plan="checkpoint-mmap", host_plan_reason=describe(plan, "checkpoint-mmap"))
+        report = PretrainedReport(Outcome.CHECKPOINT_MMAP.value, "", contract.name, contract.library_version,
+                                  host_plan="checkpoint-mmap",
+                                  host_plan_reason=describe(plan, "checkpoint-mmap", asked))
         report.bytes_materialized = private_bytes(skeleton, mapping.regions())
         # The exact plan object reaches DLO: the mapping answers the lease API from it.
         backend = OffloadBackend(skeleton, found, options, source=mapping).start()
@@ -394,7 +408,7 @@ def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: Ho
         raise
     if device is not None:
         _block_report(skeleton, found[options.resident_blocks:], report)
-    report.seconds = {"total": round(time.perf_counter() - t0, 6)}
+    report.seconds = {**seconds, "total": round(time.perf_counter() - t0, 6)}
     return LoadedModel(skeleton, report, backend=backend, contract=contract)
 
 
