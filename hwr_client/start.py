@@ -44,6 +44,11 @@ import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import grpc
+# grpc imports these on its first channel, which a worker opens under its
+# start clock; imported with this module instead (as the worker's other
+# imports are), they cost ~8 ms of every fresh worker's start otherwise.
+import grpc._channel  # noqa: F401
+import grpc._interceptor  # noqa: F401
 
 from hwr_client.channel import DEFAULT_TIMEOUT_S, peer_token
 from hwr_client.core._proto import hwr_pb2 as pb
@@ -53,6 +58,8 @@ from hwr_client.core.errors import (FailedPrecondition, HwrError, InvalidArgumen
 from hwr_client.core.identity import Identity
 from hwr_client.resolve import (Mode, Outcome, Resolution, failed, lease_or_miss, missed, parse_mode,
                                 resolve as resolve_key)
+from hwr_client.lease import lease_from_grant
+from hwr_client.session import CONNECT_TIMEOUT_S
 from hwr_client.sources import MAX_PATHS_PER_CALL, hash_locally, resolve_sources
 
 log = logging.getLogger(__name__)
@@ -151,8 +158,6 @@ def _identity(template: Mapping[str, Any], named: Sequence[tuple[str, str]], con
 def _decide(client: Any, session: Any, template: Mapping[str, Any], named: Sequence[tuple[str, str]],
             reply: pb.ResolveLeaseReply, mode: Mode, verify: str, notes: tuple[str, ...]) -> Resolution:
     """A complete reply (hit, miss, unusable) as the mode's Resolution."""
-    from hwr_client.lease import lease_from_grant
-
     identity = _identity(template, named, [d.content_id for d in reply.sources])
     key = identity.key
     if key != reply.key:
@@ -256,6 +261,37 @@ def _hash_notes(client: Any, named: Sequence[tuple[str, str]], reply: pb.Resolve
                "checkpoint's directory with --source-root")
     return [f"source identity: {len(refused)} of {len(named)} source file(s) hashed in this worker: the daemon "
             f"did not vouch for {refused[0][0]!r} ({refused[0][1]}); {fix}"]
+
+
+class EarlySession:
+    """Opens ``client``'s session on a daemon thread: the connection, the
+    credentials handshake and SessionOpen wait on the daemon while the
+    caller does its own work (a worker builds its model's skeleton), so
+    :func:`resolve_start` finds the session open. A failure is left to
+    :func:`resolve_start`, which opens again and handles it
+    (:meth:`hwr_client.Client.session` lets one open run at a time).
+
+    Args:
+        client: the :class:`hwr_client.Client` the start will use.
+    """
+
+    def __init__(self, client: Any):
+        self.client = client
+        self._thread = threading.Thread(target=self._open, name="hwr-session-open", daemon=True)
+        self._thread.start()
+
+    def _open(self) -> None:
+        try:
+            self.client.session()
+        except HwrError as exc:
+            log.debug("early session open on %s failed (%s); the start opens again", self.client.socket, exc)
+
+    def abandon(self) -> None:
+        """The start failed before it needed the session: closes the client
+        once the open has ended (the open is bounded by the session's
+        connect timeout), so no session outlives the failed start."""
+        self._thread.join(CONNECT_TIMEOUT_S + 1.0)
+        self.client.close()
 
 
 def _unimplemented(exc: HwrError) -> bool:

@@ -60,11 +60,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+import hwr_client
+import hwr_client.client  # noqa: F401 - connect's module: imported with the runtime, not under a start's clock
 from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument
 from hwr_client.core.identity import Identity
 from hwr_client.resolve import Mode, Outcome, Resolution, parse_mode
 from hwr_client.sources import canonical_sources
-from hwr_client.start import resolve_start
+from hwr_client.start import EarlySession, resolve_start
 
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
@@ -285,21 +287,26 @@ def from_pretrained(
     from dlo_runtime.options import OffloadOptions
     from dlo_runtime.transaction import ModelRecipe, StartupTransaction
 
-    import hwr_client
-
-    if contract is None:
-        contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
-        seconds["skeleton"] = round(time.perf_counter() - t0, 6)
-    nblocks = len(contract.blocks(spare[0])) if spare else contract.block_count()
-    if device is None:
-        # Resident: the backend keeps every block on the CPU and streams none,
-        # but still owns (and closes) the lease on a warm start.
-        options = OffloadOptions(device="cpu", resident_blocks=nblocks)
-    else:
-        options = OffloadOptions(device=device, resident_blocks=resident_blocks)
-    if nblocks == 0:
-        raise InvalidArgument(f"{contract.name}: no blocks found to stream; pass blocks=[...] module names")
-    client = hwr_client.connect(socket)
+    # Connection, credentials handshake and session open on a thread while
+    # the skeleton is built (hwr_client.start.EarlySession).
+    early = EarlySession(hwr_client.connect(socket))
+    client = early.client
+    try:
+        if contract is None:
+            contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
+            seconds["skeleton"] = round(time.perf_counter() - t0, 6)
+        nblocks = len(contract.blocks(spare[0])) if spare else contract.block_count()
+        if device is None:
+            # Resident: the backend keeps every block on the CPU and streams none,
+            # but still owns (and closes) the lease on a warm start.
+            options = OffloadOptions(device="cpu", resident_blocks=nblocks)
+        else:
+            options = OffloadOptions(device=device, resident_blocks=resident_blocks)
+        if nblocks == 0:
+            raise InvalidArgument(f"{contract.name}: no blocks found to stream; pass blocks=[...] module names")
+    except BaseException:
+        early.abandon()
+        raise
     pending: list[bool] = []
     resolved: list[Resolution] = []
 
