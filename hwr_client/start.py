@@ -60,7 +60,7 @@ from hwr_client.resolve import (Mode, Outcome, Resolution, failed, lease_or_miss
                                 resolve as resolve_key)
 from hwr_client.lease import lease_from_grant
 from hwr_client.session import CONNECT_TIMEOUT_S
-from hwr_client.sources import MAX_PATHS_PER_CALL, hash_locally, resolve_sources
+from hwr_client.sources import MAX_PATHS_PER_CALL, hash_locally, resolve_sources, seen_of
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,8 @@ def _ask(client: Any, session_id: str, template_json: str, named: Sequence[tuple
     else by path."""
     request = pb.ResolveLeaseRequest(
         session_id=session_id, identity_json=template_json, wait=wait,
-        sources=[pb.NamedSource(name=n, content_id=given[i]) if i in given else pb.NamedSource(name=n, path=p)
-                 for i, (n, p) in enumerate(named)])
+        sources=[pb.NamedSource(name=n, content_id=given[i]) if i in given
+                 else pb.NamedSource(name=n, path=p, seen=seen_of(p)) for i, (n, p) in enumerate(named)])
     # Waiting for hashes has no deadline (a cold 100 GB checkpoint takes
     # minutes; the daemon hashes each file once for everyone); otherwise
     # the daemon only checks the files and answers.
@@ -256,9 +256,10 @@ def _hash_notes(client: Any, named: Sequence[tuple[str, str]], reply: pb.Resolve
                f"{client.socket}.cred: a daemon too old to offer it, or a socket this user may not connect to); "
                "a worker whose uid the daemon knows gets its sources vouched for and hashes nothing")
     else:
-        fix = ("make the files readable by this worker's uid (and their directories searchable), run the worker "
-               "in the daemon's mount namespace, or, where the daemon's source roots restrict it, add the "
-               "checkpoint's directory with --source-root")
+        fix = ("make the files readable by this worker's uid (and their directories searchable), give the worker "
+               "the daemon's view of them (the same files at the same paths: a bind mount, not a copy, for a "
+               "container), or, where the daemon's source roots restrict it, add the checkpoint's directory with "
+               "--source-root")
     return [f"source identity: {len(refused)} of {len(named)} source file(s) hashed in this worker: the daemon "
             f"did not vouch for {refused[0][0]!r} ({refused[0][1]}); {fix}"]
 

@@ -32,6 +32,7 @@ from hwr_client.core.errors import (FailedPrecondition, InvalidArgument, NotFoun
                                     ResourceExhausted)
 from hwr_client.core.identity import Identity, canonical_json
 from hwr_server.access.peers import peer_of
+from hwr_server.rpc.sources import seen_of
 
 if TYPE_CHECKING:
     from hwr_server.components import Components
@@ -59,8 +60,9 @@ def resolve_lease(c: Components, request: pb.ResolveLeaseRequest,
     """
     sources = list(request.sources)
     template = _checked(c, request, sources)
-    path_of = [s.path for s in sources if s.path]
-    answers = iter(c.sources.resolve_each(path_of, peer=peer_of(context), wait=request.wait))
+    by_path = [s for s in sources if s.path]
+    answers = iter(c.sources.resolve_each([s.path for s in by_path], peer=peer_of(context), wait=request.wait,
+                                          seen=[seen_of(s.seen) if s.HasField("seen") else None for s in by_path]))
     digests: list[pb.SourceDigest] = []
     refused: list[str] = []
     for s in sources:

@@ -12,17 +12,25 @@ file is answered for only when all hold:
 
    - **no source roots configured** (the default): any regular file, for a
      caller whose uid the daemon has PROVEN (the credentials handshake of
-     :mod:`hwr_server.access.peers`) and who sees the same files under the
-     same names (:func:`mount_view_problem`: the daemon's mount namespace
-     and root directory). The walk of step 2 then starts at ``/``. A
-     caller whose uid is not proven (an old client, raw gRPC, a process in
-     a pid namespace the daemon cannot see) gets nothing: the file's mode
-     bits alone cannot say that the caller may read it;
+     :mod:`hwr_server.access.peers`) and that says which file it sees at
+     that path (:class:`Seen`: device, inode, size, mtime). The walk of
+     step 2 then starts at ``/``. A caller whose uid is not proven (an old
+     client, raw gRPC, a process in a pid namespace the daemon cannot see)
+     gets nothing: the file's mode bits alone cannot say that it may read
+     the file;
    - **source roots configured** (``--source-root``, ``source_roots``): an
      operator's restriction. The real path must lie under one of them; a
-     caller of unknown uid is answered by the "others" rule below (the
-     operator vouched that paths there mean the same files to every caller
-     of the socket);
+     caller of unknown uid is answered by the "others" rule below, and a
+     caller that sends no :class:`Seen` is answered too (the operator
+     vouched that paths there name the same files to every caller);
+
+   Either way, a :class:`Seen` that the daemon's file does not match is
+   refused: the caller's path names another file than the daemon's (it
+   runs in another mount namespace: a container, the daemon's systemd
+   ``PrivateTmp``; or the file changed meanwhile), and answering for the
+   daemon's file would give the caller a wrong identity. A caller may lie
+   about what it sees; that only changes its own answer, and step 2 still
+   holds for its proven uid;
 
 2. the caller may search every directory from that source root (``/``
    without roots) down to it and read the file itself
@@ -46,6 +54,7 @@ probing through the daemon tells nothing either.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat
@@ -121,28 +130,23 @@ UNPROVEN_CALLER = ("the daemon (no source roots configured) vouches for a file o
                    "see, or a credentials socket it may not connect to); the client hashes the file itself")
 
 
-def mount_view_problem(pid: int) -> str | None:
-    """Why the process ``pid`` may see other files under the same names than
-    the daemon does, or None when it sees the same: its mount namespace and
-    its root directory must be the daemon's. A worker in a container (its
-    own mount namespace) or a chroot names files the daemon would resolve
-    to something else, so the daemon must not answer for its paths.
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """A source file as the caller sees it: ``stat`` with symlinks followed.
+    Device and inode name the file, size and mtime its version."""
 
-    Reading another process's ``/proc/<pid>/ns/mnt`` needs the right to
-    inspect it (a daemon running as root has it; an unprivileged daemon only
-    for its own uid): what cannot be read is a problem too.
-    """
-    try:
-        theirs = (os.stat(f"/proc/{pid}/ns/mnt"), os.stat(f"/proc/{pid}/root"))
-        mine = (os.stat("/proc/self/ns/mnt"), os.stat("/"))
-    except OSError as exc:
-        return f"the daemon cannot inspect the mount view of pid {pid} ({exc.strerror})"
-    if (theirs[0].st_dev, theirs[0].st_ino) != (mine[0].st_dev, mine[0].st_ino):
-        return (f"pid {pid} runs in another mount namespace than the daemon (a container?): its paths may name "
-                "other files than the daemon's")
-    if (theirs[1].st_dev, theirs[1].st_ino) != (mine[1].st_dev, mine[1].st_ino):
-        return f"pid {pid} has another root directory than the daemon (chroot): its paths name other files"
-    return None
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "Seen":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def matches(self, st: os.stat_result) -> bool:
+        """True when ``st`` (the daemon's fstat) is this very file version."""
+        return Seen.of(st) == self
 
 
 class SourceAccess:
@@ -172,19 +176,14 @@ class SourceAccess:
 
     def check_caller(self, peer: Peer) -> None:
         """Checks, once per request, what does not depend on the path: a
-        daemon without source roots answers only a proven caller that sees
-        the daemon's files (module doc, step 1).
+        daemon without source roots answers only a proven caller (module
+        doc, step 1).
 
         Raises:
             PermissionDenied: naming why (the client hashes itself).
         """
-        if self.roots:
-            return
-        if peer.uid is None or peer.pid is None:
+        if not self.roots and peer.uid is None:
             raise PermissionDenied(f"sources: {UNPROVEN_CALLER}")
-        problem = mount_view_problem(peer.pid)
-        if problem is not None:
-            raise PermissionDenied(f"sources: {problem}; the client hashes the file itself")
 
     def outside(self, path: str, norm: str, real: str) -> PermissionDenied:
         """The refusal of ``path`` (normalized ``norm``) whose real path
@@ -200,7 +199,7 @@ class SourceAccess:
             "read); the client hashes it itself meanwhile"
         )
 
-    def check(self, path: str, peer: Peer) -> tuple[str, os.stat_result, str]:
+    def check(self, path: str, peer: Peer, seen: Seen | None = None) -> tuple[str, os.stat_result, str]:
         """Checks one requested path for ``peer`` (module doc, steps 1-3),
         all on ONE resolution of the name. The per-request part of step 1
         (:meth:`check_caller`) is the caller's to run first.
@@ -212,9 +211,10 @@ class SourceAccess:
             InvalidArgument: a relative path, a NUL byte, PATH_MAX or more
                 bytes, a directory, FIFO or device.
             PermissionDenied: outside the source roots; no roots and
-                ``peer``'s uid unknown; ``peer`` (or the daemon) may not read
-                it; or behind a directory ``peer`` may not search (whatever
-                the file-system error there was).
+                ``peer``'s uid unknown or no ``seen``; ``seen`` given and not
+                the daemon's file; ``peer`` (or the daemon) may not read it;
+                or behind a directory ``peer`` may not search (whatever the
+                file-system error there was).
             NotFound: a missing file or a broken link, where ``peer`` may look.
             FailedPrecondition: the file moved while it was checked.
         """
@@ -246,9 +246,26 @@ class SourceAccess:
                     f"source {path}: {_who(peer)} may not read {real} (mode {stat.S_IMODE(st.st_mode):04o}, owner "
                     f"uid {st.st_uid}, gid {st.st_gid}); {_RULE}"
                 )
+            self._same_file(path, st, seen)
         finally:
             os.close(pfd)
         return norm, st, real
+
+    def _same_file(self, path: str, st: os.stat_result, seen: Seen | None) -> None:
+        """Step 1's last rule: the caller's file is the daemon's (module doc)."""
+        if seen is None:
+            if not self.roots:
+                raise PermissionDenied(
+                    f"source {path}: the caller did not say which file it sees there (device, inode: an older "
+                    "client), so the daemon (no source roots) cannot tell that it resolves the same file; the "
+                    "client hashes the file itself")
+            return
+        if not seen.matches(st):
+            raise PermissionDenied(
+                f"source {path}: the caller sees another file there (device {seen.dev}, inode {seen.ino}, "
+                f"{seen.size} bytes) than the daemon does: the caller runs in another mount namespace (a "
+                "container, or the daemon's PrivateTmp) or the file changed meanwhile; the client hashes the "
+                "file itself")
 
     def _walk(self, path: str, real: str, root: str, st: os.stat_result, peer: Peer) -> None:
         """Checks that ``peer`` may search every directory from ``root`` down

@@ -48,7 +48,7 @@ from hwr_client.core.digests import (
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 from hwr_server import db
 from hwr_server.access.peers import ANONYMOUS, Peer
-from hwr_server.sources.access import SourceAccess
+from hwr_server.sources.access import Seen, SourceAccess
 from hwr_server.sources.records import (  # noqa: F401 - TABLE, records: re-exported
     _SCHEMA, TABLE, FileState, SourceRecordRow, hub_blob_digest,
 )
@@ -132,7 +132,8 @@ class SourceCache:
 
     # -- resolving -------------------------------------------------------------
 
-    def resolve(self, paths: Sequence[str], *, peer: Peer = ANONYMOUS) -> list[SourceDigest]:
+    def resolve(self, paths: Sequence[str], *, peer: Peer = ANONYMOUS,
+                seen: Sequence[Seen | None] | None = None) -> list[SourceDigest]:
         """Content ids of ``paths``, in order, for the caller ``peer``.
 
         Every path is checked (access for ``peer``, type; see the module doc)
@@ -144,23 +145,26 @@ class SourceCache:
             paths: absolute paths.
             peer: who asks (:func:`hwr_server.access.peers.peer_of`); the default,
                 unknown, gets only what anyone may read.
+            seen: per path, the file as the caller sees it
+                (:class:`~hwr_server.sources.access.Seen`), or None.
 
         Raises:
             InvalidArgument: a relative path, a NUL byte, a directory, FIFO
                 or device.
             PermissionDenied: outside the source roots, or not readable by
                 ``peer`` (or by the daemon); no source roots and ``peer``
-                unproven or in another mount namespace.
+                unproven or without ``seen``; ``seen`` not the daemon's file.
             NotFound: a missing file or a broken link.
             FailedPrecondition: a file changed or moved while it was checked
                 or hashed.
         """
         self.access.check_caller(peer)
-        checked = [(p, *self._check(p, peer)) for p in paths]
+        views = list(seen) if seen is not None else [None] * len(paths)
+        checked = [(p, *self._check(p, peer, v)) for p, v in zip(paths, views)]
         return self._answer(checked, wait=True)  # type: ignore[return-value]
 
-    def resolve_each(self, paths: Sequence[str], *, peer: Peer = ANONYMOUS,
-                     wait: bool = True) -> list[SourceDigest | PermissionDenied | None]:
+    def resolve_each(self, paths: Sequence[str], *, peer: Peer = ANONYMOUS, wait: bool = True,
+                     seen: Sequence[Seen | None] | None = None) -> list[SourceDigest | PermissionDenied | None]:
         """As :meth:`resolve`, but each path the daemon will not vouch for
         to ``peer`` is answered by its PermissionDenied instead of failing
         the request (ResolveLease: the client hashes those itself), and,
@@ -178,9 +182,10 @@ class SourceCache:
         out: list[SourceDigest | PermissionDenied | None] = []
         checked: list[tuple[str, str, FileState]] = []
         where: list[int] = []
-        for p in paths:
+        views = list(seen) if seen is not None else [None] * len(paths)
+        for p, v in zip(paths, views):
             try:
-                checked.append((p, *self._check(p, peer)))
+                checked.append((p, *self._check(p, peer, v)))
             except PermissionDenied as exc:
                 out.append(exc)
                 continue
@@ -226,11 +231,11 @@ class SourceCache:
         if recorded != norm:
             self._record(norm, state, hex_digest, t0)
 
-    def _check(self, path: str, peer: Peer) -> tuple[str, FileState]:
+    def _check(self, path: str, peer: Peer, seen: Seen | None = None) -> tuple[str, FileState]:
         """Access and type checks of one path for ``peer``
         (:meth:`SourceAccess.check`); returns the normalized path and the
         state of the file it named."""
-        norm, st, real = self.access.check(path, peer)
+        norm, st, real = self.access.check(path, peer, seen)
         return norm, FileState.of(st, real)
 
     def _answer_without_hashing(self, path: str, norm: str, state: FileState) -> SourceDigest | None:

@@ -119,19 +119,21 @@ import hwr_client
 from hwr_client.channel import peer_token
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import HwrError
+from hwr_client.sources import seen_of
 sock, files = os.environ["T_SOCKET"], json.loads(os.environ["T_FILES"])
 c = hwr_client.connect(sock)
 out = {"uid": os.getuid(), "proven": peer_token(sock) is not None, "sources": {}}
 for name, path in files.items():
     try:
-        out["sources"][name] = c.call(c.runtime.ResolveSources, pb.ResolveSourcesRequest(paths=[path])).sources[0].content_id
+        req = pb.ResolveSourcesRequest(paths=[path], seen=[seen_of(path) or pb.FileIdentity()])
+        out["sources"][name] = c.call(c.runtime.ResolveSources, req).sources[0].content_id
     except HwrError as exc:
         out["sources"][name] = [type(exc).__name__, str(exc)]
 tmpl = {"contract": {"name": "n", "version": 1}, "representation": {"dtype": "bfloat16"},
         "layout": {"tp_rank": 0, "tp_size": 1, "sp_size": 1, "sp_backend": "none"},
         "producer": {"id": "p", "version": "1"}, "extra": {}}
 r = c.call(c.runtime.ResolveLease, pb.ResolveLeaseRequest(identity_json=json.dumps(tmpl), wait=True,
-           sources=[pb.NamedSource(name=n, path=p) for n, p in files.items()]))
+           sources=[pb.NamedSource(name=n, path=p, seen=seen_of(p)) for n, p in files.items()]))
 out["lease"] = {"state": r.state, "origins": [s.origin for s in r.sources], "content_ids": [s.content_id for s in r.sources],
                 "refused": list(r.refused)}
 print(json.dumps(out))
@@ -173,3 +175,45 @@ def test_nobody_gets_no_digest_of_a_root_only_file(make_daemon_fixture):
     assert lease["state"] == "incomplete" and lease["origins"][1:] == ["refused", "refused"]
     assert lease["content_ids"][1:] == ["", ""] and lease["origins"][0] in ("hashed", "cache")
     assert f"uid {user.pw_uid} may not read" in lease["refused"][1] and lease["refused"][0] == ""
+
+
+_OTHER_VIEW = r"""
+import json, os, sys
+import hwr_client
+from hwr_client.start import resolve_start
+sock, path = sys.argv[1], sys.argv[2]
+c = hwr_client.connect(sock)
+(d,) = c.resolve_sources([path])
+tmpl = {"contract": {"name": "n", "version": 1}, "representation": {"dtype": "bfloat16"},
+        "layout": {"tp_rank": 0, "tp_size": 1, "sp_size": 1, "sp_backend": "none"},
+        "producer": {"id": "p", "version": "1"}, "extra": {}}
+res = resolve_start(c, tmpl, [("model.safetensors", path)], mode="preferred")
+ident = res.identity_now(timeout=60)
+print(json.dumps({"content_id": d.content_id, "origin": d.origin, "identity_source": ident.document["sources"][0],
+                  "notes": list(res.notes)}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
+def test_a_worker_whose_path_names_another_file_is_not_answered_for_the_daemons(make_daemon_fixture, tmp_path):
+    """A worker in its own mount namespace (a container) where the
+    checkpoint's path names ANOTHER file than the daemon's: the daemon must
+    not answer with its own file's content id (a wrong identity, a wrong
+    model); the worker hashes what it sees and says why."""
+    daemons_file = tmp_path / "model.safetensors"
+    daemons_file.write_bytes(b"the daemon's file " * 100)
+    workers_file = tmp_path / "mounted-over.bin"
+    workers_file.write_bytes(b"the worker's file " * 100)
+    d = make_daemon_fixture()
+    env = dict(os.environ, PYTHONPATH=REPO_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = (f"mount --bind {workers_file} {daemons_file} && exec {sys.executable} -c '{_OTHER_VIEW}' "
+              f"{d.socket} {daemons_file}")
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=REPO_DIR)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    workers = "sha256:" + hashlib.sha256(workers_file.read_bytes()).hexdigest()
+    assert out["content_id"] == workers and out["origin"] == "local"
+    assert out["identity_source"]["content_id"] == workers
+    (note,) = out["notes"]
+    assert "sees another file there" in note and "hashed in this worker" in note

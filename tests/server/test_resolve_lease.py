@@ -18,6 +18,7 @@ from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
 from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hwr_client.core.identity import Identity
+from hwr_client.sources import seen_of
 from tests.conftest import SAMPLE_IDENTITY, sample_tensors
 from tests.support.sources import settle, write
 
@@ -45,8 +46,8 @@ def request(tmpl: dict, files: dict, *, session_id: str = "", wait: bool = True,
     given = given or {}
     return pb.ResolveLeaseRequest(
         session_id=session_id, identity_json=json.dumps(tmpl), wait=wait,
-        sources=[pb.NamedSource(name=n, content_id=given[n]) if n in given else pb.NamedSource(name=n, path=p)
-                 for n, p in files.items()])
+        sources=[pb.NamedSource(name=n, content_id=given[n]) if n in given
+                 else pb.NamedSource(name=n, path=p, seen=seen_of(p)) for n, p in files.items()])
 
 
 def identity_of(tmpl: dict, files: dict) -> Identity:
@@ -205,3 +206,19 @@ def test_an_unproven_caller_gets_refusals_not_an_error(daemon, files):
     assert all("proved none" in r for r in reply.refused)
     with hwr_client.connect(daemon.socket) as c:
         assert stats(c)["hwr_source_hash_calls_total"] == 0
+
+
+def test_a_source_the_caller_sees_otherwise_is_refused(daemon, files):
+    """A caller whose path names another file (its own mount namespace)
+    gets a refusal for it, never the daemon's file's content id; one that
+    says nothing about the file is refused by a daemon without roots."""
+    tmpl = template(t="seen")
+    model = files["model.safetensors"]
+    req = request(tmpl, files)
+    req.sources[1].seen.CopyFrom(seen_of(model))  # config.json's path, the model file's identity
+    req.sources[0].ClearField("seen")
+    with daemon.client() as c:
+        reply = call(c, req)
+    assert reply.state == "incomplete" and [d.origin for d in reply.sources] == ["refused", "refused"]
+    assert "did not say which file it sees" in reply.refused[0]
+    assert "sees another file there" in reply.refused[1]

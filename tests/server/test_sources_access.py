@@ -6,10 +6,8 @@ import json
 import os
 import pwd
 import shutil
-import subprocess
 import tempfile
 import threading
-import time
 
 import pytest
 
@@ -23,6 +21,7 @@ from hwr_client.core.errors import (
     Unavailable,
 )
 from hwr_server.access.peers import ANONYMOUS, Peer
+from hwr_server.sources.access import Seen
 from hwr_server.config import ServerConfig
 from hwr_server.sources import cache as srcmod
 from hwr_server.sources.cache import TABLE, SourceCache
@@ -69,11 +68,11 @@ def test_one_path_rule_for_daemon_and_client(make_cache, src):
 
 
 def test_no_source_roots_vouches_for_any_file_a_proven_caller_may_read(make_cache, request):
-    """The default: no source roots. A proven caller (uid and pid known, the
-    daemon's mount view) gets any regular file it may read, wherever it
-    lies; an unproven one gets nothing (its uid cannot be checked against
-    the file's mode); a caller in another mount namespace gets nothing (its
-    paths may name other files)."""
+    """The default: no source roots. A proven caller that says which file
+    it sees (Seen) gets any regular file it may read, wherever it lies; an
+    unproven one gets nothing (its uid cannot be checked against the file's
+    mode), nor one that does not say which file it sees, nor one that sees
+    another file at that path (another mount namespace)."""
     # Under /tmp: pytest's tmp_path sits in a 0700 directory no other uid may search.
     base = tempfile.mkdtemp(prefix="hwr-src-", dir="/tmp")
     os.chmod(base, 0o755)
@@ -84,37 +83,35 @@ def test_no_source_roots_vouches_for_any_file_a_proven_caller_may_read(make_cach
     private = write(os.path.join(base, "private.bin"), b"p")
     os.chmod(private, 0o600)
     cache = make_cache(roots=[])
-    me = Peer(pid=os.getpid(), uid=0)
-    assert cache.resolve([elsewhere], peer=me)[0].content_id == sha(b"x" * 10)
-    assert cache.resolve([elsewhere], peer=me)[0].origin == "cache"
+    me, other = Peer(pid=os.getpid(), uid=0), Peer(pid=os.getpid(), uid=4321)
+    seen = Seen.of(os.stat(elsewhere))
+    assert cache.resolve([elsewhere], peer=me, seen=[seen])[0].content_id == sha(b"x" * 10)
+    assert cache.resolve([elsewhere], peer=me, seen=[seen])[0].origin == "cache"
     with pytest.raises(PermissionDenied, match="proved none"):
-        cache.resolve([elsewhere])  # anonymous
+        cache.resolve([elsewhere], seen=[seen])  # anonymous
+    with pytest.raises(PermissionDenied, match="did not say which file it sees"):
+        cache.resolve([elsewhere], peer=me)
+    with pytest.raises(PermissionDenied, match="sees another file there"):
+        cache.resolve([elsewhere], peer=me, seen=[Seen.of(os.stat(private))])
     # Another uid: the daemon walks from / with that uid's rights.
-    other = Peer(pid=os.getpid(), uid=4321)
-    assert cache.resolve([elsewhere], peer=other)[0].origin == "cache"
+    assert cache.resolve([elsewhere], peer=other, seen=[seen])[0].origin == "cache"
     with pytest.raises(PermissionDenied, match=f"uid 4321 may not read {private}"):
-        cache.resolve([private], peer=other)
-    each = cache.resolve_each([elsewhere, private], peer=other)
+        cache.resolve([private], peer=other, seen=[Seen.of(os.stat(private))])
+    each = cache.resolve_each([elsewhere, private], peer=other, seen=[seen, Seen.of(os.stat(private))])
     assert each[0].origin == "cache" and isinstance(each[1], PermissionDenied)
-    # A process in its own mount namespace (a container's worker).
-    child = subprocess.Popen(["unshare", "--mount", "sleep", "60"])
-    try:
-        deadline = time.monotonic() + 10
-        while os.stat(f"/proc/{child.pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino:
-            assert time.monotonic() < deadline, "unshare did not enter a new mount namespace"
-            time.sleep(0.01)
-        with pytest.raises(PermissionDenied, match=f"pid {child.pid} runs in another mount namespace"):
-            cache.resolve([elsewhere], peer=Peer(pid=child.pid, uid=0))
-    finally:
-        child.kill()
-        child.wait()
     assert cache.hash_calls == 1
 
 
 def test_source_roots_restrict_a_proven_caller_too(make_cache, src, tmp_path):
     outside = write(tmp_path / "elsewhere" / "b.bin", b"b")
+    inside = write(src / "a.bin", b"a")
+    cache = make_cache()
     with pytest.raises(PermissionDenied, match=r"outside the daemon.s source roots .* \(an operator.s restriction"):
-        make_cache().resolve([outside], peer=Peer(pid=os.getpid(), uid=0))
+        cache.resolve([outside], peer=Peer(pid=os.getpid(), uid=0))
+    # Under roots a caller need not say which file it sees; if it does, it must be the daemon's.
+    assert cache.resolve([inside], peer=Peer(pid=os.getpid(), uid=0))[0].content_id == sha(b"a")
+    with pytest.raises(PermissionDenied, match="sees another file there"):
+        cache.resolve([inside], seen=[Seen.of(os.stat(outside))])
 
 
 def test_relative_path_is_invalid(make_cache):

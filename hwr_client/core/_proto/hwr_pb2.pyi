@@ -289,10 +289,12 @@ class ReleaseRegistrationReply(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class ResolveSourcesRequest(_message.Message):
-    __slots__ = ("paths",)
+    __slots__ = ("paths", "seen")
     PATHS_FIELD_NUMBER: _ClassVar[int]
+    SEEN_FIELD_NUMBER: _ClassVar[int]
     paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    seen: _containers.RepeatedCompositeFieldContainer[FileIdentity]
+    def __init__(self, paths: _Optional[_Iterable[str]] = ..., seen: _Optional[_Iterable[_Union[FileIdentity, _Mapping]]] = ...) -> None: ...
 
 class ResolveSourcesReply(_message.Message):
     __slots__ = ("sources",)
@@ -595,14 +597,16 @@ class ResolveLeaseRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., identity_json: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[NamedSource, _Mapping]]] = ..., wait: _Optional[bool] = ...) -> None: ...
 
 class NamedSource(_message.Message):
-    __slots__ = ("name", "path", "content_id")
+    __slots__ = ("name", "path", "content_id", "seen")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     content_id: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., content_id: _Optional[str] = ...) -> None: ...
+    seen: FileIdentity
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., content_id: _Optional[str] = ..., seen: _Optional[_Union[FileIdentity, _Mapping]] = ...) -> None: ...
 
 class ResolveLeaseReply(_message.Message):
     __slots__ = ("state", "sources", "refused", "key", "reason", "candidates", "lease_id", "manifest_json", "blob_paths")
@@ -625,3 +629,15 @@ class ResolveLeaseReply(_message.Message):
     manifest_json: str
     blob_paths: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, state: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[SourceDigest, _Mapping]]] = ..., refused: _Optional[_Iterable[str]] = ..., key: _Optional[str] = ..., reason: _Optional[str] = ..., candidates: _Optional[bool] = ..., lease_id: _Optional[str] = ..., manifest_json: _Optional[str] = ..., blob_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FileIdentity(_message.Message):
+    __slots__ = ("dev", "ino", "size", "mtime_ns")
+    DEV_FIELD_NUMBER: _ClassVar[int]
+    INO_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    def __init__(self, dev: _Optional[int] = ..., ino: _Optional[int] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ...) -> None: ...
