@@ -88,7 +88,10 @@ def _ask_daemon(client: RuntimeChannel, paths: Sequence[str]) -> list[SourceDige
     for start in range(0, len(paths), MAX_PATHS_PER_CALL):
         batch = list(paths[start:start + MAX_PATHS_PER_CALL])
         seen = [seen_of(p) for p in batch]
-        request = pb.ResolveSourcesRequest(paths=batch, seen=seen if all(v is not None for v in seen) else [])
+        known = [v for v in seen if v is not None]
+        # All or none: a file this process cannot stat is the daemon's (or
+        # the local hash's) to report.
+        request = pb.ResolveSourcesRequest(paths=batch, seen=known if len(known) == len(batch) else [])
         # No deadline: a cold 100 GB checkpoint takes minutes to hash, and the
         # call is safe to wait on (the daemon hashes each file once for everyone).
         reply = client.call(client.runtime.ResolveSources, request, timeout=None)

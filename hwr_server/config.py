@@ -11,7 +11,7 @@ Example ``/etc/hwr/config.toml``::
     admin_socket = "/run/hwr/admin.sock"
     socket_group = "hwr"
     capacity = "2TiB"
-    source_roots = ["/models", "/root/.cache/huggingface/hub"]
+    source_roots = ["/models", "/root/.cache/huggingface/hub"]   # optional restriction
 
     [remote]                       # an OCI registry (hwr push / hwr pull)
     registry = "registry.example:5000"
@@ -111,7 +111,12 @@ class ServerConfig:
     gc_low_watermark: float = 0.80
     #: Seconds between automatic capacity checks.
     gc_interval_s: float = 30.0
-    #: Directories the daemon may read canonical checkpoints from.
+    #: Optional restriction of the files the daemon vouches for (hashes and
+    #: caches content ids of). Empty (the default): any regular file that a
+    #: caller whose uid the credentials handshake proved may read, at a path
+    #: where the caller sees the same file as the daemon. Set: only files
+    #: under these absolute directories, then also for callers of unknown
+    #: uid (files anyone may read). See hwr_server.sources.access.
     source_roots: list[str] = dataclasses.field(default_factory=list)
     #: Client keepalive period, milliseconds.
     keepalive_interval_ms: int = 5000

@@ -31,7 +31,8 @@ def resolve(c: Components, request: pb.ResolveSourcesRequest, context: grpc.Serv
 
     Raises:
         InvalidArgument: no paths; a path with a NUL byte or of PATH_MAX
-            bytes or more (naming its index); a relative path.
+            bytes or more (naming its index); a relative path; ``seen``
+            neither empty nor one per path.
         ResourceExhausted: more than ``max_resolve_paths`` paths.
         PermissionDenied, NotFound, FailedPrecondition: see SourceCache.resolve.
     """

@@ -16,7 +16,7 @@ import pytest
 import hwr_client
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core._proto import hwr_pb2_grpc as pb_grpc
-from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from hwr_client.core.identity import Identity
 from hwr_client.sources import seen_of
 from tests.conftest import SAMPLE_IDENTITY, sample_tensors
@@ -222,3 +222,18 @@ def test_a_source_the_caller_sees_otherwise_is_refused(daemon, files):
     assert reply.state == "incomplete" and [d.origin for d in reply.sources] == ["refused", "refused"]
     assert "did not say which file it sees" in reply.refused[0]
     assert "sees another file there" in reply.refused[1]
+
+
+def test_resolve_sources_takes_the_callers_view_too(daemon, files):
+    """ResolveSources, the older call: a daemon without roots answers a
+    proven caller that says which file it sees; the count must match."""
+    paths = list(files.values())
+    with daemon.client() as c:
+        with pytest.raises(InvalidArgument, match="1 seen entries for 2 paths"):
+            c.call(c.runtime.ResolveSources, pb.ResolveSourcesRequest(paths=paths, seen=[seen_of(paths[0])]))
+        with pytest.raises(PermissionDenied, match="did not say which file it sees"):
+            c.call(c.runtime.ResolveSources, pb.ResolveSourcesRequest(paths=paths))
+        got = c.resolve_sources(paths)  # the client sends what it sees
+    assert [d.origin for d in got] == ["hashed", "hashed"]
+    assert [d.content_id for d in got] == [s["content_id"] for s in sorted(
+        identity_of(template(), files).document["sources"], key=lambda s: list(files).index(s["name"]))]
