@@ -70,13 +70,18 @@ from hwr_client.start import EarlySession, resolve_start
 
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
-from dlo_runtime.pretrained.files import ModelFiles, import_library, model_files, resolve_class
+from dlo_runtime.pretrained.files import ModelFiles, hwr_version, import_library, model_files, resolve_class
 from dlo_runtime.pretrained.hostplan import HOST_PLANS, CheckpointMapping, HostWeightPlan, describe, preflight
 from dlo_runtime.pretrained.skeleton import (check_loaded, dtype_of, find_blocks, nparams, parameters_on_meta,
                                               publish_groups)
 from dlo_runtime.restore import tensor_slots
 
 log = logging.getLogger(__name__)
+
+# Read once with the runtime (it is part of every identity): looking it up
+# scans sys.path, a few ms that would otherwise fall on a fresh worker's
+# first start.
+hwr_version()
 
 
 @dataclasses.dataclass
@@ -294,8 +299,11 @@ def from_pretrained(
     try:
         if contract is None:
             contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
+            spare.append(contract.build_skeleton())  # the one it built to read its dtype policy
             seconds["skeleton"] = round(time.perf_counter() - t0, 6)
-        nblocks = len(contract.blocks(spare[0])) if spare else contract.block_count()
+        # Found once for the first skeleton; the transaction and the report reuse them.
+        first, found = spare[0], contract.blocks(spare[0])
+        nblocks = len(found)
         if device is None:
             # Resident: the backend keeps every block on the CPU and streams none,
             # but still owns (and closes) the lease on a warm start.
@@ -325,7 +333,7 @@ def from_pretrained(
         recipe = ModelRecipe(
             build_skeleton=lambda: spare.pop() if spare else contract.build_skeleton(),
             load_canonical=lambda skel, copts: contract.canonical_load(skel, mmap=copts.checkpoint_mmap),
-            select_blocks=contract.blocks,
+            select_blocks=lambda m: found if m is first else contract.blocks(m),
             finalize=contract.finalize,
             publish_after_load=lambda m: pending.append(True),
         )
@@ -347,7 +355,7 @@ def from_pretrained(
         # Independent of the counters: every CPU tensor must lie in the lease's mapping.
         report.bytes_materialized += private_bytes(model, backend.lease.regions())
     if device is not None:
-        _block_report(model, contract.blocks(model)[options.resident_blocks:], report)
+        _block_report(model, (found if model is first else contract.blocks(model))[options.resident_blocks:], report)
     loaded = LoadedModel(model, report, backend=backend, client=client, contract=contract)
     if pending and identity is not None:
         t = time.perf_counter()
