@@ -237,3 +237,13 @@ def test_resolve_sources_takes_the_callers_view_too(daemon, files):
     assert [d.origin for d in got] == ["hashed", "hashed"]
     assert [d.content_id for d in got] == [s["content_id"] for s in sorted(
         identity_of(template(), files).document["sources"], key=lambda s: list(files).index(s["name"]))]
+
+
+def test_undecodable_request_is_invalid_argument(daemon):
+    """identity_json (field 2) holding bytes that are not UTF-8."""
+    with grpc.insecure_channel(f"unix:{daemon.socket}") as ch:
+        call_raw = ch.unary_unary("/hwr.v1.Runtime/ResolveLease")
+        with pytest.raises(grpc.RpcError) as err:
+            call_raw(b"\x12\x02\xff\xfe", timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("ResolveLease:") and "UTF-8" in err.value.details()
