@@ -13,7 +13,9 @@ row is a separate worker process (``python bench/real_models.py --worker``)
 that imports its stack before its clock starts, then:
 
 - ``library``: ``FluxTransformer2DModel.from_pretrained(dir, torch_dtype=bf16)``,
-  the library's call itself: what users do today; page cache hot, and cold
+  the library's call itself (then ``eval().requires_grad_(False)``, as HWR's
+  models are: on the CPU a bf16 weight that requires grad takes a ~4x slower
+  linear kernel): what users do today; page cache hot, and cold
   (the checkpoint's files evicted with fadvise, as ``bench/startup.py`` does);
 - ``hwr cold``: ``dlo_runtime.from_pretrained`` on an empty store: canonical
   load, then publish-after-load (``publish_s``);
@@ -124,8 +126,13 @@ def worker(args: argparse.Namespace) -> int:
         return 0
     t0, c0 = time.perf_counter(), time.process_time()
     if args.mode == "library":
-        # The library's own call, exactly what a user writes (no HWR code on the clock).
+        # The library's own call, exactly what a user writes (no HWR code on
+        # the clock), then inference mode as HWR's models are: on the CPU,
+        # torch's bf16 linear takes a ~4x slower path for weights that
+        # require grad (no_grad or not), which would slow every library
+        # forward for a reason that has nothing to do with loading.
         model = FluxTransformer2DModel.from_pretrained(args.model, torch_dtype=torch.bfloat16)
+        model.eval().requires_grad_(False)
         result["startup_s"] = round(time.perf_counter() - t0, 4)
         result.update(outcome="LIBRARY", bytes_materialized=_private_bytes(model), producer_calls=1, publish_s=0.0,
                       seconds={}, notes=[])

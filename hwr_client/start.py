@@ -59,7 +59,6 @@ from hwr_client.core.identity import Identity
 from hwr_client.resolve import (Mode, Outcome, Resolution, failed, lease_or_miss, missed, parse_mode,
                                 resolve as resolve_key)
 from hwr_client.lease import lease_from_grant
-from hwr_client.session import CONNECT_TIMEOUT_S
 from hwr_client.sources import MAX_PATHS_PER_CALL, hash_locally, resolve_sources, seen_of
 
 log = logging.getLogger(__name__)
@@ -108,7 +107,7 @@ def resolve_start(client: Any, template: Mapping[str, Any], sources: Sequence[tu
         return _legacy(client, template, named, mode, verify, "more sources than one call takes")
     try:
         session = client.session()
-        reply = session.granting(lambda sid: _ask(client, sid, template_json, named, {}, wait=False),
+        reply = session.granting(lambda sid: _ask(client, session, sid, template_json, named, {}, wait=False),
                                  what="ResolveLease")
     except (Unavailable, ResourceExhausted) as exc:
         return _without_daemon(client, template, named, mode, exc)
@@ -127,7 +126,7 @@ def resolve_start(client: Any, template: Mapping[str, Any], sources: Sequence[tu
             return Resolution(Outcome.CANONICAL_FALLBACK, mode, reason=reason, deferred=later, notes=tuple(notes))
         try:
             given = _hash_refused(named, reply)
-            reply = session.granting(lambda sid: _ask(client, sid, template_json, named, given, wait=True),
+            reply = session.granting(lambda sid: _ask(client, session, sid, template_json, named, given, wait=True),
                                      what="ResolveLease")
         except (Unavailable, ResourceExhausted) as exc:
             return _without_daemon(client, template, named, mode, exc, notes)
@@ -136,10 +135,12 @@ def resolve_start(client: Any, template: Mapping[str, Any], sources: Sequence[tu
     return _decide(client, session, template, named, reply, mode, verify, tuple(notes))
 
 
-def _ask(client: Any, session_id: str, template_json: str, named: Sequence[tuple[str, str]],
+def _ask(client: Any, session: Any, session_id: str, template_json: str, named: Sequence[tuple[str, str]],
          given: Mapping[int, str], *, wait: bool) -> pb.ResolveLeaseReply:
     """One ResolveLease call: each source by its content id when ``given``,
-    else by path."""
+    else by path. With a ``session``, on the session's own channel, as
+    AcquireLease is (its stream has connected it; the client's channel
+    would connect now, on the start's clock)."""
     request = pb.ResolveLeaseRequest(
         session_id=session_id, identity_json=template_json, wait=wait,
         sources=[pb.NamedSource(name=n, content_id=given[i]) if i in given
@@ -147,7 +148,8 @@ def _ask(client: Any, session_id: str, template_json: str, named: Sequence[tuple
     # Waiting for hashes has no deadline (a cold 100 GB checkpoint takes
     # minutes; the daemon hashes each file once for everyone); otherwise
     # the daemon only checks the files and answers.
-    return client.call(client.runtime.ResolveLease, request, timeout=None if wait else DEFAULT_TIMEOUT_S)
+    stub = session.runtime if session is not None else client.runtime
+    return client.call(stub.ResolveLease, request, timeout=None if wait else DEFAULT_TIMEOUT_S)
 
 
 def _identity(template: Mapping[str, Any], named: Sequence[tuple[str, str]], content_ids: Sequence[str]) -> Identity:
@@ -202,7 +204,7 @@ def _complete(client: Any, template_json: str, template: Mapping[str, Any], name
     pending hashes joined (a resolve-only call: nothing is leased)."""
     given = _hash_refused(named, reply)
     if len(given) < len(named):
-        reply = _ask(client, "", template_json, named, given, wait=True)
+        reply = _ask(client, None, "", template_json, named, given, wait=True)
         given = {i: d.content_id for i, d in enumerate(reply.sources)}
     return _identity(template, named, [given[i] for i in range(len(named))])
 
@@ -262,37 +264,6 @@ def _hash_notes(client: Any, named: Sequence[tuple[str, str]], reply: pb.Resolve
                "--source-root")
     return [f"source identity: {len(refused)} of {len(named)} source file(s) hashed in this worker: the daemon "
             f"did not vouch for {refused[0][0]!r} ({refused[0][1]}); {fix}"]
-
-
-class EarlySession:
-    """Opens ``client``'s session on a daemon thread: the connection, the
-    credentials handshake and SessionOpen wait on the daemon while the
-    caller does its own work (a worker builds its model's skeleton), so
-    :func:`resolve_start` finds the session open. A failure is left to
-    :func:`resolve_start`, which opens again and handles it
-    (:meth:`hwr_client.Client.session` lets one open run at a time).
-
-    Args:
-        client: the :class:`hwr_client.Client` the start will use.
-    """
-
-    def __init__(self, client: Any):
-        self.client = client
-        self._thread = threading.Thread(target=self._open, name="hwr-session-open", daemon=True)
-        self._thread.start()
-
-    def _open(self) -> None:
-        try:
-            self.client.session()
-        except HwrError as exc:
-            log.debug("early session open on %s failed (%s); the start opens again", self.client.socket, exc)
-
-    def abandon(self) -> None:
-        """The start failed before it needed the session: closes the client
-        once the open has ended (the open is bounded by the session's
-        connect timeout), so no session outlives the failed start."""
-        self._thread.join(CONNECT_TIMEOUT_S + 1.0)
-        self.client.close()
 
 
 def _unimplemented(exc: HwrError) -> bool:

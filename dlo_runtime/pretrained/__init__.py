@@ -66,7 +66,7 @@ from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument
 from hwr_client.core.identity import Identity
 from hwr_client.resolve import Mode, Outcome, Resolution, parse_mode
 from hwr_client.sources import canonical_sources
-from hwr_client.start import EarlySession, resolve_start
+from hwr_client.start import resolve_start
 
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
@@ -292,29 +292,22 @@ def from_pretrained(
     from dlo_runtime.options import OffloadOptions
     from dlo_runtime.transaction import ModelRecipe, StartupTransaction
 
-    # Connection, credentials handshake and session open on a thread while
-    # the skeleton is built (hwr_client.start.EarlySession).
-    early = EarlySession(hwr_client.connect(socket))
-    client = early.client
-    try:
-        if contract is None:
-            contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
-            spare.append(contract.build_skeleton())  # the one it built to read its dtype policy
-            seconds["skeleton"] = round(time.perf_counter() - t0, 6)
-        # Found once for the first skeleton; the transaction and the report reuse them.
-        first, found = spare[0], contract.blocks(spare[0])
-        nblocks = len(found)
-        if device is None:
-            # Resident: the backend keeps every block on the CPU and streams none,
-            # but still owns (and closes) the lease on a warm start.
-            options = OffloadOptions(device="cpu", resident_blocks=nblocks)
-        else:
-            options = OffloadOptions(device=device, resident_blocks=resident_blocks)
-        if nblocks == 0:
-            raise InvalidArgument(f"{contract.name}: no blocks found to stream; pass blocks=[...] module names")
-    except BaseException:
-        early.abandon()
-        raise
+    if contract is None:
+        contract = PretrainedContract(files, cls, dtype=dtype, fuse_qkv=fuse_qkv, blocks=blocks)
+        spare.append(contract.build_skeleton())  # the one it built to read its dtype policy
+        seconds["skeleton"] = round(time.perf_counter() - t0, 6)
+    # Found once for the first skeleton; the transaction and the report reuse them.
+    first, found = spare[0], contract.blocks(spare[0])
+    nblocks = len(found)
+    if device is None:
+        # Resident: the backend keeps every block on the CPU and streams none,
+        # but still owns (and closes) the lease on a warm start.
+        options = OffloadOptions(device="cpu", resident_blocks=nblocks)
+    else:
+        options = OffloadOptions(device=device, resident_blocks=resident_blocks)
+    if nblocks == 0:
+        raise InvalidArgument(f"{contract.name}: no blocks found to stream; pass blocks=[...] module names")
+    client = hwr_client.connect(socket)
     pending: list[bool] = []
     resolved: list[Resolution] = []
 

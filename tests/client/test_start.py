@@ -56,16 +56,15 @@ def identity_of(tmpl, sources) -> Identity:
 
 
 class Calls:
-    """Records the rpcs a client makes (its one call seam)."""
+    """Records the unary rpcs a client makes through its one call seam (its
+    own channel or its session's), by request type."""
 
     def __init__(self, client):
         self.names: list[str] = []
         real = client.call
-        stubs = {id(getattr(client.runtime, n)): n for n in ("ResolveLease", "ResolveSources", "AcquireLease",
-                                                             "Lookup", "PullOnMiss")}
 
         def call(method, request, **kw):
-            self.names.append(stubs.get(id(method), type(request).__name__))
+            self.names.append(type(request).__name__.removesuffix("Request"))
             return real(method, request, **kw)
 
         client.call = call
