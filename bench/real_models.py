@@ -302,6 +302,7 @@ def _summary(runs: list[dict[str, Any]], ref: str) -> dict[str, Any]:
     return {
         "runs": len(runs), "startup_s": median("startup_s"), "first_output_s": median("first_output_s"),
         "startup_cpu_s": median("startup_cpu_s"), "first_output_cpu_s": median("first_output_cpu_s"),
+        "startup_best_s": min(r["startup_s"] for r in runs), "first_output_best_s": min(r["first_output_s"] for r in runs),
         "forward_s": median("forward_s"), "startup_all": [r["startup_s"] for r in runs],
         "first_output_all": [r["first_output_s"] for r in runs], "publish_s": max(r["publish_s"] for r in runs),
         "outcome": "/".join(sorted({r["outcome"] for r in runs})), "host_plan": mid.get("host_plan_taken", ""),
@@ -318,6 +319,9 @@ def _versus(lib: dict[str, Any], row: dict[str, Any]) -> dict[str, float]:
     return {"first_output_ratio": round(row["first_output_s"] / lib["first_output_s"], 3),
             "first_output_cpu_ratio": round(row["first_output_cpu_s"] / lib["first_output_cpu_s"], 3),
             "startup_cpu_delta_ms": round(1000 * (row["startup_cpu_s"] - lib["startup_cpu_s"]), 1),
+            # Best of the runs: the estimate least moved by other jobs on the machine.
+            "startup_best_delta_ms": round(1000 * (row["startup_best_s"] - lib["startup_best_s"]), 1),
+            "first_output_best_ratio": round(row["first_output_best_s"] / lib["first_output_best_s"], 3),
             "startup_delta_ms": round(1000 * (row["startup_s"] - lib["startup_s"]), 1),
             "startup_speedup": round(lib["startup_s"] / row["startup_s"], 2),
             "first_output_speedup": round(lib["first_output_s"] / row["first_output_s"], 2)}
@@ -348,10 +352,11 @@ def print_results(results: list[dict[str, Any]]) -> None:
     for r in results:
         for name, v in r["vs_library"].items():
             vs.append([r["shape"], r["checkpoint_dtype"], name, f"{v['startup_delta_ms']:+.1f}",
-                       f"{v['startup_cpu_delta_ms']:+.1f}", f"{v['startup_speedup']}x", f"{v['first_output_ratio']}",
+                       f"{v['startup_best_delta_ms']:+.1f}", f"{v['startup_cpu_delta_ms']:+.1f}",
+                       f"{v['startup_speedup']}x", f"{v['first_output_ratio']}", f"{v['first_output_best_ratio']}",
                        f"{v['first_output_cpu_ratio']}"])
-    print_table(vs, ["size", "checkpoint", "path", "startup - library (ms)", "CPU: startup - library (ms)",
-                     "startup speedup", "first output / library", "CPU: first output / library"])
+    print_table(vs, ["size", "checkpoint", "path", "startup - library ms (median)", "(best)", "(CPU)",
+                     "startup speedup", "first output / library (median)", "(best)", "(CPU)"])
     print()
     n = results[0]["concurrent"]
     print_table([[r["shape"], r["checkpoint_dtype"], f"{r['checkpoint_bytes'] / GIB:.2f}", f"{r['speedup_warm_vs_library']}x",
