@@ -8,8 +8,8 @@ trip.
 3. with every content id known, build the identity
    (:class:`hwr_client.core.identity.Identity`, the one implementation the
    client uses too) and its key;
-4. lease the artifact for the session (:meth:`LeaseManager.acquire`, the
-   same rules as AcquireLease), or, without a session, only look it up.
+4. lease the artifact for the session (AcquireLease's own handler: the
+   same lease under the same rules), or, without a session, only look it up.
 
 A miss, a quarantined artifact and an incomplete identity are states of the
 reply, not errors: the worker needs the key (or the refusals) to go on.
@@ -32,6 +32,7 @@ from hwr_client.core.errors import (FailedPrecondition, InvalidArgument, NotFoun
                                     ResourceExhausted)
 from hwr_client.core.identity import Identity, canonical_json
 from hwr_server.access.peers import peer_of
+from hwr_server.rpc import leases as rpc_leases
 from hwr_server.rpc.sources import seen_of
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ def resolve_lease(c: Components, request: pb.ResolveLeaseRequest,
     identity = Identity.from_dict({**template, "sources": [{"name": s.name, "content_id": d.content_id}
                                                            for s, d in zip(sources, digests)]})
     reply.key = identity.key
-    _lease_into(c, request.session_id, identity.key, reply)
+    _lease_into(c, request.session_id, identity.key, reply, context)
     return reply
 
 
@@ -125,11 +126,16 @@ def _digest_pb(source: pb.NamedSource, answer: SourceDigest | PermissionDenied |
     return pb.SourceDigest(path=source.path, origin="refused" if answer is not None else "pending")
 
 
-def _lease_into(c: Components, session_id: str, key: str, reply: pb.ResolveLeaseReply) -> None:
-    """Step 4: lease (with a session) or look up ``key``; sets the state."""
+def _lease_into(c: Components, session_id: str, key: str, reply: pb.ResolveLeaseReply,
+                context: grpc.ServicerContext) -> None:
+    """Step 4: lease (with a session) or look up ``key``; sets the state.
+
+    The lease is AcquireLease's own handler (:func:`hwr_server.rpc.leases.acquire`):
+    one place decides who may lease what, so both rpcs grant the same lease
+    under the same rules."""
     try:
         if session_id:
-            grant = c.leases.acquire(session_id, key)
+            grant = rpc_leases.acquire(c, pb.AcquireLeaseRequest(session_id=session_id, key=key), context)
             reply.lease_id, reply.manifest_json = grant.lease_id, grant.manifest_json
             reply.blob_paths.extend(grant.blob_paths)
         else:
