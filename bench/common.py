@@ -77,3 +77,19 @@ def add_daemon_args(parser: argparse.ArgumentParser, name: str, where: str) -> N
     parser.add_argument("--socket", help="use a running daemon (default: start one on a temp root)")
     parser.add_argument("--dir", default=None, help=where)
     parser.add_argument("--out", default=result_path(f"{name}.json"))
+
+
+def private_bytes_of(model: Any) -> int:
+    """Bytes of the library model's tensors that are not views of a file
+    mapping (what it materialized): storages outside every file-backed
+    range of ``/proc/self/maps``."""
+    with open("/proc/self/maps") as f:
+        files = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f
+                 if len(line.split()) >= 6 and line.split()[5].startswith("/")]
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += 0 if any(lo <= st.data_ptr() < hi for lo, hi in files) else st.nbytes()
+    return total

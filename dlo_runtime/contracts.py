@@ -189,13 +189,28 @@ class Contract:
         Raises:
             InvalidArgument: bad layout or no checkpoint files.
         """
+        t = self.identity_template(layout)
         return build_identity(
-            contract={"name": self.name, "version": self.version}, sources=self.source_files(checkpoint_dir),
-            representation=dict(self.representation), layout=parse_layout(layout),
-            # A stable name, not a module path: it is part of every key.
-            producer={"id": f"dlo_runtime.contracts/{self.name}", "version": self.producer_version},
-            extra=self.extra(), client=client, local=client is None,
+            contract=t["contract"], sources=self.source_files(checkpoint_dir), representation=t["representation"],
+            layout=t["layout"], producer=t["producer"], extra=t["extra"], client=client, local=client is None,
         )
+
+    def identity_template(self, layout: Any = None) -> dict[str, Any]:
+        """The identity document of this contract's artifact without its
+        sources (what :func:`hwr_client.start.resolve_start` sends; the
+        daemon adds the content ids). :meth:`identity` builds from it, so
+        both give one key.
+
+        Raises:
+            InvalidArgument: a bad layout.
+        """
+        return {
+            "contract": {"name": self.name, "version": self.version},
+            "representation": dict(self.representation), "layout": parse_layout(layout),
+            # A stable name, not a module path: it is part of every key.
+            "producer": {"id": f"dlo_runtime.contracts/{self.name}", "version": self.producer_version},
+            "extra": dict(self.extra()),
+        }
 
     def extra(self) -> dict[str, Any]:
         """Byte-relevant inputs not covered elsewhere (identity ``extra``)."""

@@ -214,7 +214,12 @@ def commit_restore(module: nn.Module, plan: RestorePlan) -> RestoreResult:
                 for attr, t in table.items():
                     if t is not None and id(t) in replaced:
                         table[attr] = replaced[id(t)]
-    left = [s.name for s in tensor_slots(module).slots if s.tensor.is_meta]
+        left = [s.name for s in tensor_slots(module).slots if s.tensor.is_meta]
+    else:
+        # The plan bound every slot of the tree (else it failed): checking
+        # what was bound is the whole check, without a second walk.
+        left = [b.name for b in plan.bindings
+                if (b.module._parameters if b.is_parameter else b.module._buffers)[b.attr].is_meta]
     if left:
         raise FailedPrecondition(f"restore commit: {len(left)} tensor(s) still on meta after commit: {left[:5]}")
     log.info("restored %d parameters and %d buffers (%d bytes) from artifact %s with 0 copies",

@@ -341,17 +341,34 @@ def acquire(client: LeaseClient, key: str, *, verify: str = "none") -> Lease:
     _check_verify(verify)
     session = client.session()
     reply = session.acquire(key)
+    return lease_from_grant(client, session, key, reply, verify=verify)
+
+
+def lease_from_grant(client: LeaseClient, session: Session, key: str, grant: Any, *, verify: str = "none") -> Lease:
+    """The :class:`Lease` of a grant the daemon made on ``session``
+    (an AcquireLeaseReply, or a ResolveLeaseReply of a hit: ``lease_id``,
+    ``manifest_json``, ``blob_paths``): the manifest parsed and checked
+    against ``key``, the files mapped, the lease tracked on the session,
+    then verified as ``verify`` asks. A failure before the Lease exists
+    releases the grant.
+
+    Raises:
+        FailedPrecondition: the manifest names another key, a blob is
+            missing or of the wrong size, or verification failed.
+        InvalidArgument: a bad manifest or verify mode.
+    """
+    _check_verify(verify)
     try:
-        manifest = Manifest.from_json(reply.manifest_json, what=f"artifact {key[:12]} manifest")
+        manifest = Manifest.from_json(grant.manifest_json, what=f"artifact {key[:12]} manifest")
         if manifest.key != key:
             raise FailedPrecondition(f"artifact {key[:12]}: daemon returned the manifest of {manifest.key[:12]}")
-        mapped = MappedArtifact(manifest, list(reply.blob_paths))
+        mapped = MappedArtifact(manifest, list(grant.blob_paths))
     except BaseException:
-        _release_quietly(session, reply.lease_id, key)
+        _release_quietly(session, grant.lease_id, key)
         raise
-    lease = Lease(key, reply.lease_id, mapped, release=session.release, session=session)
-    lease.publisher = reply.publisher.text
-    session.track(reply.lease_id, lease)
+    lease = Lease(key, grant.lease_id, mapped, release=session.release, session=session)
+    lease.publisher = grant.publisher.text
+    session.track(grant.lease_id, lease)
     if verify != "none":
         _verify_or_close(client, lease, verify)
     return lease

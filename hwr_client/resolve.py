@@ -28,6 +28,7 @@ the serving path: every failure becomes a report.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import logging
@@ -57,13 +58,17 @@ class Outcome(str, enum.Enum):
     disabled mode resolves to CANONICAL_FALLBACK: the caller loads
     canonically either way). DISABLED is what a worker start reports when
     it never touched HWR (:class:`dlo_runtime.StartupTransaction`), so a
-    report tells "HWR off" apart from "HWR missed".
+    report tells "HWR off" apart from "HWR missed". CHECKPOINT_MMAP is a
+    start served from the checkpoint's own mapping because its runtime
+    layout is the checkpoint's (``from_pretrained(host_plan="auto")``): no
+    daemon call, nothing leased or published.
     """
 
     LOCAL_HIT = "LOCAL_HIT"
     CANONICAL_FALLBACK = "CANONICAL_FALLBACK"
     DISABLED = "DISABLED"
     FAILED = "FAILED"
+    CHECKPOINT_MMAP = "CHECKPOINT_MMAP"
 
     def __str__(self) -> str:
         return self.value
@@ -83,13 +88,21 @@ class Resolution:
         mode: the mode it was resolved in.
         lease: the open Lease on LOCAL_HIT (the caller owns and closes it),
             else None.
-        key: identity key ("" when disabled or the identity is invalid).
+        key: identity key ("" when disabled, the identity is invalid, or
+            it is still being completed: see ``deferred``).
         reason: one line for logs: why this outcome.
         error: the HwrError behind a FAILED or a fallback, else None. On
             FAILED, raise it (its message says what to do).
         publisher: on LOCAL_HIT, who published the artifact as the daemon
             recorded it (e.g. ``uid 0 (pid 4242, python3)``, or ``the
             daemon (pulled from …, signed by SHA256:…)``).
+        identity: the resolved identity when known (:func:`hwr_client.start.resolve_start`).
+        deferred: a CANONICAL_FALLBACK that is certainly a miss while its
+            sources are still being hashed: the future of the identity,
+            completed while the caller loads canonically
+            (:meth:`identity_now` waits for it).
+        notes: what the user should know about this start (why the worker
+            hashed sources itself, and what would make it fast).
     """
 
     outcome: Outcome
@@ -99,11 +112,27 @@ class Resolution:
     reason: str = ""
     error: HwrError | None = None
     publisher: str = ""
+    identity: Identity | None = None
+    deferred: concurrent.futures.Future[Identity] | None = dataclasses.field(default=None, compare=False)
+    notes: tuple[str, ...] = ()
 
     @property
     def hit(self) -> bool:
         """True on LOCAL_HIT (``lease`` is then open)."""
         return self.outcome is Outcome.LOCAL_HIT
+
+    def identity_now(self, timeout: float | None = None) -> Identity | None:
+        """The identity, waiting for a deferred one (None when there is
+        none: disabled, or an identity that failed to build).
+
+        Raises:
+            HwrError: completing the deferred identity failed (a source
+                changed, went missing, became unreadable).
+            TimeoutError: not done within ``timeout`` seconds.
+        """
+        if self.identity is not None or self.deferred is None:
+            return self.identity
+        return self.deferred.result(timeout)
 
 
 def parse_mode(mode: Mode | str) -> Mode:
@@ -125,8 +154,10 @@ def _populate_hint(key: str) -> str:
             f"canonical load), or `hwr prewarm ...` for this identity (key {key})")
 
 
-def _miss(mode: Mode, key: str, reason: str, error: HwrError) -> Resolution:
-    """A miss, an unusable artifact or an unreachable daemon."""
+def missed(mode: Mode, key: str, reason: str, error: HwrError) -> Resolution:
+    """The Resolution of a miss, an unusable artifact or an unreachable
+    daemon in ``mode``: CANONICAL_FALLBACK (preferred) or FAILED saying how
+    to populate the store (required)."""
     if mode is Mode.PREFERRED:
         log.info("HWR resolve %s: %s; falling back to the canonical load", key[:12], reason)
         return Resolution(Outcome.CANONICAL_FALLBACK, mode, key=key, reason=reason, error=error)
@@ -175,12 +206,27 @@ def resolve(client: Any, identity: Identity | Mapping | str, *, mode: Mode | str
     try:
         key = Identity.coerce(identity).key
     except HwrError as exc:
-        return _failed(mode, "", f"invalid identity: {exc}", exc)
+        return failed(mode, "", f"invalid identity: {exc}", exc)
+    return lease_or_miss(client, key, mode=mode, verify=verify)
+
+
+def lease_or_miss(client: Any, key: str, *, mode: Mode, verify: str = "none",
+                  known_miss: NotFound | None = None) -> Resolution:
+    """Leases ``key`` in ``mode`` (not disabled), pulling it from the
+    daemon's registry on a miss: the part of :func:`resolve` after the key.
+    ``known_miss``: the daemon already said the key is not in the store
+    (ResolveLease), so the pull is asked for at once.
+
+    Returns:
+        A Resolution (see the module table); never raises for a miss.
+    """
     from hwr_client.lease import acquire
 
     pulled = ""
     try:
         try:
+            if known_miss is not None:
+                raise known_miss
             lease = acquire(client, key, verify=verify)
         except NotFound as exc:
             # Pull on a miss: the daemon asks its [remote] registry (when one
@@ -193,20 +239,20 @@ def resolve(client: Any, identity: Identity | Mapping | str, *, mode: Mode | str
             pulled = outcome
             lease = acquire(client, key, verify=verify)
     except NotFound as exc:
-        return _miss(mode, key, f"artifact {key[:12]} not in the store", exc)
+        return missed(mode, key, f"artifact {key[:12]} not in the store", exc)
     except UntrustedPublisher as exc:
-        return _miss(mode, key, str(exc), exc)
+        return missed(mode, key, str(exc), exc)
     except FailedPrecondition as exc:
-        return _miss(mode, key, f"artifact {key[:12]} unusable: {exc}", exc)
+        return missed(mode, key, f"artifact {key[:12]} unusable: {exc}", exc)
     except Unavailable as exc:
-        return _miss(mode, key, f"HWR daemon unreachable: {exc}", exc)
+        return missed(mode, key, f"HWR daemon unreachable: {exc}", exc)
     except ResourceExhausted as exc:
         # Decided here, not by making ResourceExhausted retryable in
         # general: for a worker at start a full daemon is a miss.
-        return _miss(mode, key, f"HWR daemon cannot take this worker now: {exc}", exc)
+        return missed(mode, key, f"HWR daemon cannot take this worker now: {exc}", exc)
     except HwrError as exc:
         # InvalidArgument, PermissionDenied, Internal...: not a miss.
-        return _failed(mode, key, f"{type(exc).__name__}: {exc}", exc)
+        return failed(mode, key, f"{type(exc).__name__}: {exc}", exc)
     log.info("HWR resolve %s: LOCAL_HIT (lease %s…, published by %s)%s", key[:12], lease.lease_id[:8],
              lease.publisher or "?", pulled and f" {pulled}")
     return Resolution(Outcome.LOCAL_HIT, mode, lease=lease, key=key,
@@ -247,7 +293,7 @@ def _pull_on_miss(client: Any, key: str, mode: Mode, miss: NotFound) -> Resoluti
     try:
         done = client.pull_on_miss(key, progress=progress, stall_s=PULL_STALL_S)
     except NotFound as exc:
-        return _miss(mode, key, f"artifact {key[:12]} not in the store ({exc})", miss)
+        return missed(mode, key, f"artifact {key[:12]} not in the store ({exc})", miss)
     except HwrError as exc:
         reason = f"artifact {key[:12]} not in the store and the pull from the registry failed: " \
                  f"{type(exc).__name__}: {exc}"
@@ -259,7 +305,8 @@ def _pull_on_miss(client: Any, key: str, mode: Mode, miss: NotFound) -> Resoluti
     return f"pulled from {done.reference}: {done.bytes_transferred} bytes in {done.seconds:.2f} s"
 
 
-def _failed(mode: Mode, key: str, reason: str, error: HwrError) -> Resolution:
+def failed(mode: Mode, key: str, reason: str, error: HwrError) -> Resolution:
+    """The Resolution of a failure that is not a miss (FAILED in every mode)."""
     log.error("HWR resolve %s failed (%s mode, not retryable): %s", key[:12] or "-", mode.value, reason)
     return Resolution(Outcome.FAILED, mode, key=key, reason=reason, error=error)
 

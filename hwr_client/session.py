@@ -230,25 +230,43 @@ class Session:
         Retries once when the daemon no longer knows our session (it
         restarted and the reader has not re-opened yet).
         """
+        return self.granting(
+            lambda sid: call_unary(self.runtime.AcquireLease, pb.AcquireLeaseRequest(session_id=sid, key=key)),
+            what=f"acquire of {key[:12]}")
+
+    def granting(self, call: Callable[[str], Any], *, what: str,
+                 lease_id: Callable[[Any], str] = lambda reply: reply.lease_id) -> Any:
+        """Runs ``call(session_id)``, an rpc that may grant a lease on this
+        session (AcquireLease, ResolveLease), with AcquireLease's rules:
+        retried when the daemon no longer knows the session (it restarted
+        and the reader has not re-opened yet), and a granted id (non-empty
+        ``lease_id(reply)``) tracked for re-attach.
+
+        Returns:
+            The reply.
+        """
         for attempt in range(3):
             sid = self.session_id()
             try:
-                reply = call_unary(self.runtime.AcquireLease, pb.AcquireLeaseRequest(session_id=sid, key=key))
+                reply = call(sid)
             except (FailedPrecondition, Unavailable) as exc:
                 stale = isinstance(exc, Unavailable) or str(exc).startswith(_SESSION_ERROR_PREFIX)
                 if attempt == 2 or not stale:
                     raise
                 self._wait_replaced(sid)
                 continue
+            granted = lease_id(reply)
+            if not granted:
+                return reply
             with self._cond:
                 if self._session_id == sid:
-                    self._held[reply.lease_id] = _none_ref
+                    self._held[granted] = _none_ref
                     return reply
             # Granted on a session that has since been replaced: that grant
             # will not be re-attached (the daemon drops it after its grace
             # period); take a fresh one on the new session.
-            log.info("lease %s… granted on a replaced session; acquiring again", reply.lease_id[:8])
-        raise Unavailable(f"daemon on {self.socket}: session kept changing during acquire of {key[:12]}")
+            log.info("lease %s… granted on a replaced session; acquiring again", granted[:8])
+        raise Unavailable(f"daemon on {self.socket}: session kept changing during {what}")
 
     def _wait_replaced(self, old_sid: str) -> None:
         with self._cond:

@@ -2,8 +2,8 @@
 and identities built from real checkpoints (DESIGN §3, §6).
 
 :func:`resolve_sources` asks the node daemon (which caches digests and hashes
-each file once per node); when the daemon refuses a path (outside its source
-roots) or does not answer, the file is hashed here with :func:`hash_file`,
+each file once per node); when the daemon refuses a path (see
+:mod:`hwr_server.sources.access`) or does not answer, the file is hashed here with :func:`hash_file`,
 the ONE hashing function the daemon also uses, so a content id is the same
 whichever side computed it.
 
@@ -69,15 +69,32 @@ def hash_locally(paths: Sequence[str], *, threads: int | None = None) -> list[So
     return [SourceDigest(p, content_id_of(h), n, False, "local") for p, (h, n) in zip(paths, results)]
 
 
+def seen_of(path: str) -> pb.FileIdentity | None:
+    """The file at ``path`` as this process sees it (``stat``, links
+    followed): the daemon answers only if it resolves that very file (a
+    worker in a container may name another file by the same path). None
+    when it cannot be stat'ed (the daemon or the local hash says why)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return pb.FileIdentity(dev=st.st_dev, ino=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns)
+
+
 def _ask_daemon(client: RuntimeChannel, paths: Sequence[str]) -> list[SourceDigest]:
     out: list[SourceDigest] = []
     # In batches of MAX_PATHS_PER_CALL: the daemon refuses a call of more
     # than its max_resolve_paths (default 4096) paths.
     for start in range(0, len(paths), MAX_PATHS_PER_CALL):
         batch = list(paths[start:start + MAX_PATHS_PER_CALL])
+        seen = [seen_of(p) for p in batch]
+        known = [v for v in seen if v is not None]
+        # All or none: a file this process cannot stat is the daemon's (or
+        # the local hash's) to report.
+        request = pb.ResolveSourcesRequest(paths=batch, seen=known if len(known) == len(batch) else [])
         # No deadline: a cold 100 GB checkpoint takes minutes to hash, and the
         # call is safe to wait on (the daemon hashes each file once for everyone).
-        reply = client.call(client.runtime.ResolveSources, pb.ResolveSourcesRequest(paths=batch), timeout=None)
+        reply = client.call(client.runtime.ResolveSources, request, timeout=None)
         out += [SourceDigest(p, s.content_id, s.size, s.cached, s.origin) for p, s in zip(batch, reply.sources)]
     return out
 
@@ -86,8 +103,9 @@ def resolve_sources(client: RuntimeChannel | None, paths: Sequence[str | os.Path
                     threads: int | None = None) -> list[SourceDigest]:
     """Content ids of canonical files, from the daemon's cache when it can.
 
-    Paths the daemon will not vouch for (PERMISSION_DENIED: outside its
-    source roots, or not readable by this caller as the daemon sees it), and
+    Paths the daemon will not vouch for (PERMISSION_DENIED: not readable by
+    this caller's proven uid, outside its source roots when it has some,
+    another file than this process sees at that path), and
     every path when the daemon is unreachable (UNAVAILABLE), over its limits
     (RESOURCE_EXHAUSTED) or ``client`` is None, are hashed locally with this
     process's own rights: same content id, no cache.

@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="TOML config file (flags override it)")
     p.add_argument("--capacity", help="byte budget of the root, e.g. 100MiB or 2TiB (0 = unlimited)")
     p.add_argument("--source-root", action="append", default=None, metavar="DIR",
-                   help="directory the daemon may read canonical checkpoints from (repeatable)")
+                   help="restrict the checkpoint files the daemon vouches for to this directory (repeatable; "
+                        "default: any file a caller of proven uid may read)")
     p.add_argument("--socket-group", help="group owning the runtime socket")
     p.set_defaults(func=run)
 

@@ -18,7 +18,7 @@ A short ``/etc/hwr/hwr.toml``::
     admin_socket = "/run/hwr/admin.sock"
     socket_group = "hwr"
     capacity = "2TiB"
-    source_roots = ["/models", "/root/.cache/huggingface/hub"]
+    source_roots = ["/models", "/root/.cache/huggingface/hub"]   # optional restriction
 
     [remote]                       # an OCI registry (hwr push / hwr pull)
     registry = "registry.example:5000"
@@ -180,9 +180,12 @@ class ServerConfig:
     #: Seconds between automatic capacity checks.
     gc_interval_s: float = 30.0
     # -- canonical checkpoints --
-    #: Directories the daemon may read canonical checkpoints from, to hash
-    #: them once for all workers (absolute paths, e.g. ["/models"]);
-    #: elsewhere, clients hash locally.
+    #: Optional restriction of the files the daemon vouches for (hashes and
+    #: caches content ids of). Empty (the default): any regular file that a
+    #: caller whose uid the credentials handshake proved may read, at a path
+    #: where the caller sees the same file as the daemon. Set: only files
+    #: under these absolute directories, then also for callers of unknown
+    #: uid (files anyone may read). See hwr_server.sources.access.
     source_roots: list[str] = dataclasses.field(default_factory=list)
     # -- sessions, leases and shutdown --
     #: Client keepalive period, milliseconds.

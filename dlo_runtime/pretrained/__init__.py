@@ -63,7 +63,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -73,141 +72,33 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from hwr_client.core.errors import FailedPrecondition, InvalidArgument, Unavailable
-from hwr_client.resolve import Mode, Outcome, parse_mode
+import hwr_client
+import hwr_client.client  # noqa: F401 - connect's module: imported with the runtime, not under a start's clock
+from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument, Unavailable
+from hwr_client.core.identity import Identity
+from hwr_client.resolve import Mode, Outcome, Resolution, parse_mode
+from hwr_client.sources import canonical_sources
+from hwr_client.start import resolve_start
 
-from dlo_runtime.background import wait_for_key
+from dlo_runtime.background import running, wait_for_key
 from dlo_runtime.compile import attach_to_pretrained, settings_for_pretrained
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
 from dlo_runtime.pretrained.eligibility import (daemon_absent, decide, direct_map_refusal, no_daemon_message,
                                                  unused_keys_note, warn_fallback)
-from dlo_runtime.pretrained.files import ModelFiles, import_library, model_files, resolve_class
+from dlo_runtime.pretrained.files import ModelFiles, hwr_version, import_library, model_files, resolve_class
+from dlo_runtime.pretrained.loaded import LoadedModel, PretrainedReport, block_report
 from dlo_runtime.pretrained.hostplan import HOST_PLANS, CheckpointMapping, HostWeightPlan, describe, preflight
 from dlo_runtime.pretrained.publishing import publish_in_background
-from dlo_runtime.pretrained.skeleton import (check_loaded, dtype_of, find_blocks, nparams, parameters_on_meta,
+from dlo_runtime.pretrained.skeleton import (check_loaded, dtype_of, find_blocks, parameters_on_meta,
                                               publish_groups)
-from dlo_runtime.restore import tensor_slots
 
 log = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass
-class PretrainedReport:
-    """What a :func:`from_pretrained` start did and cost.
-
-    Attributes:
-        outcome: ``LOCAL_HIT``, ``CANONICAL_FALLBACK`` or ``DISABLED``.
-        key: identity key ("" when disabled).
-        contract: ``<library>:<Class>``; ``library_version`` its version.
-        seconds: wall seconds per phase, and ``total``.
-        bytes_materialized: private bytes this process allocated for the
-            model's tensors (0 on a warm start).
-        producer_calls: canonical loads run (0 on a warm start).
-        blocks: names of the streamed blocks, in order; ``streamed_bytes``
-            their bytes; ``streamed_fraction`` their share of the parameters.
-        notes: anything worth a look (streamed blocks under half the model).
-        publish: the publish-after-load report on a preferred miss
-            (``{"state": "running", ...}`` while it runs in the background;
-            :meth:`LoadedModel.wait_published` waits for the final one).
-        trail: the startup transaction's steps.
-        host_plan: the host-weight plan taken: ``"checkpoint-mmap"``,
-            ``"hwr"`` or ``"ordinary"``; ``host_plan_reason`` why
-            (:mod:`dlo_runtime.pretrained.hostplan`).
-        compile: with ``compile=``, the
-            :class:`~dlo_runtime.compile.CompileReport` (filled in at the
-            first call: hit / miss / published, seconds saved), else None.
-    """
-
-    outcome: str
-    key: str = ""
-    contract: str = ""
-    library_version: str = ""
-    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-    bytes_materialized: int = 0
-    producer_calls: int = 0
-    checkpoint_bytes_read: int = 0
-    blocks: list[str] = dataclasses.field(default_factory=list)
-    streamed_bytes: int = 0
-    streamed_fraction: float = 0.0
-    notes: list[str] = dataclasses.field(default_factory=list)
-    publish: dict[str, Any] | None = None
-    trail: list[str] = dataclasses.field(default_factory=list)
-    host_plan: str = "hwr"
-    host_plan_reason: str = ""
-    compile: Any = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The report as JSON-ready values."""
-        return dataclasses.asdict(self)
-
-
-class LoadedModel:
-    """A model :func:`from_pretrained` started: ``model`` (eval mode, DLO
-    hooks when a device was given), ``outcome``, ``key``, ``report``.
-    :meth:`close` (or leaving the ``with`` block) tears down the backend,
-    which closes the lease, then the client. After a preferred miss,
-    ``publication`` is the :class:`~dlo_runtime.background.BackgroundPublication`
-    that publishes for the next start (``report.publish`` holds its state)."""
-
-    def __init__(self, model: nn.Module, report: PretrainedReport, *, backend: Any = None, client: Any = None,
-                 contract: PretrainedContract | None = None):
-        self.model, self.report = model, report
-        self.backend, self.client, self.contract = backend, client, contract
-        self.publication: Any = None
-
-    def wait_published(self, timeout: float | None = None) -> dict[str, Any] | None:
-        """Waits at most ``timeout`` seconds (None: no bound) for the
-        background publication of a preferred miss to end.
-
-        Returns:
-            Its final report (``state``, ``ok``, ``seconds``, ...), None
-            while it still runs, or ``{}`` when this start publishes nothing.
-        """
-        return {} if self.publication is None else self.publication.wait_published(timeout)
-
-    @property
-    def outcome(self) -> Outcome:
-        """How the start went (:class:`~hwr_client.resolve.Outcome`)."""
-        return Outcome(self.report.outcome)
-
-    @property
-    def key(self) -> str:
-        """The identity key ("" when HWR was disabled)."""
-        return self.report.key
-
-    @property
-    def lease(self) -> Any:
-        """The lease the backend owns on a warm start, else None."""
-        return getattr(self.backend, "lease", None)
-
-    def close(self, *, publication: str = "finish") -> None:
-        """Backend (drain, unhook, close the lease), then the client. Idempotent.
-
-        Args:
-            publication: what becomes of a background publication still
-                running: ``"finish"`` (default) lets it end on its own (it
-                holds its own connection and the tensors it reads; interpreter
-                exit waits at most ``dlo_runtime.background.EXIT_WAIT_S``),
-                ``"abandon"`` ends it now (nothing published), ``"wait"``
-                blocks until it ends.
-        """
-        if publication not in ("finish", "abandon", "wait"):
-            raise InvalidArgument(f"publication={publication!r}: expected 'finish', 'abandon' or 'wait'")
-        if self.publication is not None and publication != "finish":
-            self.publication.close(wait_s=None if publication == "wait" else 0.0)
-        backend, self.backend = self.backend, None
-        if backend is not None:
-            backend.close()
-        client, self.client = self.client, None
-        if client is not None:
-            client.close()
-
-    def __enter__(self) -> "LoadedModel":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+# Read once with the runtime (it is part of every identity): looking it up
+# scans sys.path, a few ms that would otherwise fall on a fresh worker's
+# first start.
+hwr_version()
 
 
 def _library_load(files: ModelFiles, cls: Any, dtype: torch.dtype) -> nn.Module:
@@ -229,18 +120,6 @@ def _step(what: str, note: str) -> str:
     if what == "published":
         what = "publish_scheduled"
     return f"{what}: {note}" if note else what
-
-
-def _block_report(model: nn.Module, blocks: Sequence[nn.Module], report: PretrainedReport) -> None:
-    names = {id(m): n for n, m in model.named_modules()}
-    report.blocks = [names[id(b)] for b in blocks]
-    streamed = sum(s.tensor.nbytes for b in blocks for s in tensor_slots(b).slots)
-    params = sum(p.numel() for b in blocks for p in b.parameters())
-    report.streamed_bytes = streamed
-    report.streamed_fraction = round(params / max(nparams(model), 1), 4)
-    if report.streamed_fraction < 0.5:
-        report.notes.append(f"streamed blocks hold {report.streamed_fraction:.0%} of the parameters (under half): "
-                            "pass blocks=[...] to stream more")
 
 
 def from_pretrained(
@@ -288,9 +167,10 @@ def from_pretrained(
             the behaviour above), ``"ordinary"`` (the library's own load,
             as ``mode="disabled"``), ``"checkpoint-mmap"`` (read-only views
             of the checkpoint's mapping; raises when preflight refuses),
-            ``"auto"`` (checkpoint-mmap where preflight passes and ``mode``
-            is not ``"required"``, else HWR in ``mode``). The report says
-            which was taken and why.
+            ``"auto"`` (the cheapest for the case: checkpoint-mmap where
+            preflight passes and ``mode`` is not ``"required"``, else HWR
+            in ``mode``). The report says which was taken and why: outcome
+            ``CHECKPOINT_MMAP`` for the checkpoint's own mapping.
         variant: the weight variant (``"fp16"``: ``model.fp16.safetensors``),
             as the library's ``variant=``.
         use_safetensors: as the library's ``use_safetensors=`` (True:
@@ -351,26 +231,27 @@ def from_pretrained(
     if host_plan == "checkpoint-mmap" or (host_plan == "auto" and mode is not Mode.REQUIRED):
         assert contract is not None
         skeleton = contract.build_skeleton()
+        t = time.perf_counter()
         refusal = direct_map_refusal(files, contract.keys)
         plan = (HostWeightPlan("refused", (refusal,), files.weights) if refusal else
                 preflight(skeleton, files.weights, contract.blocks(skeleton),
                           transforms=("fuse_qkv",) if fuse_qkv else ()))
+        seconds["preflight"] = round(time.perf_counter() - t, 6)
         if plan.accepted:
-            return done(_checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0, socket=socket))
+            return done(_checkpoint_mmap(contract, skeleton, plan, device, resident_blocks, t0, seconds,
+                                         host_plan, socket=socket))
         if host_plan == "checkpoint-mmap":
             raise FailedPrecondition(f"{files.directory}: host_plan='checkpoint-mmap' refused by preflight: "
                                      f"{plan.reason}; use host_plan='auto' to fall back to HWR")
         refused = plan
-        del skeleton
+        contract.give_back(skeleton)  # untouched by preflight: the HWR start's first skeleton
     if mode is Mode.DISABLED or host_plan == "ordinary":
         loaded = _disabled(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0)
         loaded.report.host_plan = "ordinary"
-        loaded.report.host_plan_reason = describe(refused, "ordinary")
+        loaded.report.host_plan_reason = describe(refused, "ordinary", host_plan)
         return done(loaded)
     from dlo_runtime.options import OffloadOptions
     from dlo_runtime.transaction import ModelRecipe, StartupTransaction
-
-    import hwr_client
 
     assert contract is not None
     nblocks = contract.block_count()
@@ -392,11 +273,24 @@ def from_pretrained(
         return done(_fallback(files, cls, target, device, blocks, resident_blocks, fuse_qkv, t0,
                               Outcome.CANONICAL_FALLBACK, note))
     pending: list[bool] = []
-    try:
+    resolved: list[Resolution] = []
+    sources = canonical_sources(contract.source_files(files.directory))
+
+    def resolve() -> Resolution:
+        # One call: the daemon vouches for the sources, builds the identity
+        # and leases a hit (hwr_client.start); nothing is hashed here unless
+        # the daemon cannot vouch (the notes then say why).
         t = time.perf_counter()
-        identity = contract.identity(files.directory, client=client)
-        seconds["identity"] = round(time.perf_counter() - t, 6)
-        wait_for_key(identity.key)  # this process's own publication of it, still running: a hit once it ends
+        res = resolve_start(client, contract.identity_template(), sources, mode=mode)
+        if not res.hit and running() and _own_publication_ended(res):
+            # This process's own background publication of the key was
+            # running: it has ended, so ask once more (a hit, if it committed).
+            res = resolve_start(client, contract.identity_template(), sources, mode=mode)
+        seconds["resolve"] = round(time.perf_counter() - t, 6)
+        resolved.append(res)
+        return res
+
+    try:
         recipe = ModelRecipe(
             build_skeleton=contract.build_skeleton,
             load_canonical=lambda skel, copts: contract.canonical_load(skel, mmap=copts.checkpoint_mmap),
@@ -405,16 +299,17 @@ def from_pretrained(
             publish_after_load=lambda m: pending.append(True),
         )
         t = time.perf_counter()
-        result = StartupTransaction(mode, recipe, lambda: client.resolve(identity, mode=mode), options).run()
+        result = StartupTransaction(mode, recipe, resolve, options).run()
         seconds["start"] = round(time.perf_counter() - t, 6)
     except BaseException:
         client.close()
         raise
     model, backend = result.model, result.backend
-    report = PretrainedReport(result.outcome.value, identity.key, contract.name, contract.library_version,
+    report = PretrainedReport(result.outcome.value, "", contract.name, contract.library_version,
                               trail=[_step(s.what, s.note) for s in result.trail])
-    report.host_plan_reason = describe(refused, "hwr")
     report.notes += notes
+    identity = _identity_of(resolved[0], report)
+    report.host_plan_reason = describe(refused, "hwr", host_plan)
     report.producer_calls = contract.counters.producer_calls
     report.checkpoint_bytes_read = contract.counters.checkpoint_bytes_read
     report.bytes_materialized = contract.counters.bytes_materialized
@@ -422,10 +317,10 @@ def from_pretrained(
         # Independent of the counters: every CPU tensor must lie in the lease's mapping.
         report.bytes_materialized += private_bytes(model, backend.lease.regions())
     if device is not None:
-        _block_report(model, contract.blocks(model)[options.resident_blocks:], report)
+        block_report(model, contract.blocks(model)[options.resident_blocks:], report)
     loaded = LoadedModel(model, report, backend=backend, client=client, contract=contract)
     report.seconds = seconds  # before the publication starts: its end adds "publish" to this dict
-    if pending:
+    if pending and identity is not None:
         loaded.publication = publish_in_background(model, contract, identity, client.socket, report, progress)
     seconds["total"] = round(time.perf_counter() - t0, 6)
     log.info("from_pretrained %s: %s in %.3fs (materialized %d bytes, %d producer calls)", contract.name,
@@ -443,11 +338,42 @@ def _compiled(loaded: LoadedModel, **how: Any) -> LoadedModel:
     return loaded
 
 
+def _own_publication_ended(res: Resolution) -> bool:
+    """Whether a publication of this start's key by this very process was
+    running and has now ended (waited for). Called only while one runs: a
+    deferred identity (sources still being hashed) is waited for here, a
+    cost only a process loading the same model twice pays."""
+    try:
+        identity = res.identity_now()
+    except HwrError:
+        return False
+    return identity is not None and wait_for_key(identity.key) is not None
+
+
+def _identity_of(res: Resolution, report: PretrainedReport) -> Identity | None:
+    """The start's identity into the report (key, notes). A deferred one
+    (a certain miss loaded canonically while the sources were hashed) is
+    waited for here, after the load; one that failed is a note: nothing is
+    published, the model serves."""
+    report.notes += list(res.notes)
+    try:
+        identity = res.identity_now()
+    except HwrError as exc:
+        report.notes.append(f"source identity could not be completed ({type(exc).__name__}: {exc}); "
+                            "nothing published")
+        log.warning("from_pretrained: %s", report.notes[-1])
+        return None
+    report.key = identity.key if identity is not None else ""
+    return identity
+
+
 def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: HostWeightPlan, device: Any,
-                     resident_blocks: int, t0: float, *, socket: str | None = None) -> LoadedModel:
+                     resident_blocks: int, t0: float, seconds: dict[str, float], asked: str, *,
+                     socket: str | None = None) -> LoadedModel:
     """An accepted plan: runtime tensors are read-only views of the
     checkpoint's mapping; DLO streams each block's span (or, with no
-    device, every block stays resident on those views). Nothing published."""
+    device, every block stays resident on those views). Nothing published,
+    nothing leased: the outcome says so (``CHECKPOINT_MMAP``)."""
     from dlo_runtime.backend import OffloadBackend
     from dlo_runtime.options import OffloadOptions
     from dlo_runtime.restore import finalize_shared
@@ -465,8 +391,9 @@ def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: Ho
         found = contract.blocks(skeleton)
         options = (OffloadOptions(device="cpu", resident_blocks=len(found)) if device is None
                    else OffloadOptions(device=device, resident_blocks=resident_blocks))
-        report = PretrainedReport(Outcome.DISABLED.value, "", contract.name, contract.library_version,
-                                  host_plan="checkpoint-mmap", host_plan_reason=describe(plan, "checkpoint-mmap"))
+        report = PretrainedReport(Outcome.CHECKPOINT_MMAP.value, "", contract.name, contract.library_version,
+                                  host_plan="checkpoint-mmap",
+                                  host_plan_reason=describe(plan, "checkpoint-mmap", asked))
         report.bytes_materialized = private_bytes(skeleton, mapping.regions())
         # The exact plan object reaches DLO: the mapping answers the lease API from it.
         backend = OffloadBackend(skeleton, found, options, source=mapping).start()
@@ -476,8 +403,8 @@ def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: Ho
             client.close()
         raise
     if device is not None:
-        _block_report(skeleton, found[options.resident_blocks:], report)
-    report.seconds = {"total": round(time.perf_counter() - t0, 6)}
+        block_report(skeleton, found[options.resident_blocks:], report)
+    report.seconds = {**seconds, "total": round(time.perf_counter() - t0, 6)}
     return LoadedModel(skeleton, report, backend=backend, client=client, contract=contract)
 
 
@@ -485,8 +412,6 @@ def _admission_client(socket: str | None) -> Any:
     """A daemon client for registration admission, or None when no daemon
     listens (the registration then proceeds unaccounted, as for any
     source without a session)."""
-    import hwr_client
-
     client = hwr_client.connect(socket)
     if daemon_absent(client.socket):
         client.close()
@@ -528,7 +453,7 @@ def _disabled(files: ModelFiles, cls: Any, dtype: torch.dtype, device: Any, bloc
         backend = enable_layerwise_offload(model, found, device=device, resident_blocks=resident_blocks)
         found = found[resident_blocks:]
     if device is not None:
-        _block_report(model, found, report)
+        block_report(model, found, report)
     report.seconds = {"total": round(time.perf_counter() - t0, 6)}
     return LoadedModel(model, report, backend=backend)
 

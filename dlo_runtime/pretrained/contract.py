@@ -188,6 +188,11 @@ class PretrainedContract(Contract):
         model = self._spare if self._spare is not None else self._build(fused=self.fuse_qkv)
         return len(self.blocks(model))
 
+    def give_back(self, model: nn.Module) -> None:
+        """Keeps an untouched skeleton (one preflight only read) as the next
+        :meth:`build_skeleton`'s: one model construction per start."""
+        self._spare = model
+
     def build_skeleton(self, checkpoint_dir: str = "") -> nn.Module:
         """Parameters and persistent buffers on meta with runtime dtypes,
         non-persistent buffers real on the CPU; fused if ``fuse_qkv``."""

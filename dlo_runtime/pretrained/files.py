@@ -31,6 +31,7 @@ start falls back to the library (:mod:`dlo_runtime.pretrained.eligibility`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -258,8 +259,11 @@ def resolve_class(files: ModelFiles, model_class: Any = None) -> Any:
     return cls
 
 
+@functools.lru_cache(maxsize=None)
 def hwr_version() -> str:
-    """HWR's version (the installed distribution's, else the source tree's)."""
+    """HWR's version (the installed distribution's, else the source tree's).
+    Cached: importlib.metadata scans every sys.path entry (2-6 ms), and the
+    installed version does not change while the process runs."""
     try:
         return importlib.metadata.version("hwr")
     except importlib.metadata.PackageNotFoundError:

@@ -11,6 +11,14 @@ neither), and every streamed block is one byte span per shard it touches
 with little interleaved waste. Otherwise the plan records the first reasons
 and the component loads through HWR or the ordinary loader.
 
+``host_plan="auto"`` takes the cheapest path for the case: checkpoint-mmap
+where preflight accepts it (nothing to read but headers, nothing to copy,
+no daemon call: a same-dtype checkpoint starts as fast as the library's
+own mapped load), else HWR (a warm start maps the final layout the cast or
+transform produced once). The report names the path taken: outcome
+``CHECKPOINT_MMAP`` and ``host_plan`` ``"checkpoint-mmap"``, or the HWR
+outcome with the refusal's reasons in ``host_plan_reason``.
+
 DLO copies a block as ONE host range (:mod:`dlo_runtime.backend`: one
 ``block_bytes`` tensor, one copy or one staging memcpy per block). A block
 cut across shards is made one range without a copy: its pieces' file pages
@@ -383,13 +391,16 @@ class CheckpointMapping:
         self._raw, self._stitched = [], {}
 
 
-def describe(plan: HostWeightPlan | None, chosen: str) -> str:
-    """A report line: the plan chosen and why."""
+def describe(plan: HostWeightPlan | None, chosen: str, asked: str = "") -> str:
+    """A report line: the plan taken, what was asked for (``auto``), and
+    why."""
+    how = f"{chosen} (host_plan={asked!r})" if asked and asked != chosen else chosen
     if chosen == "checkpoint-mmap":
-        return "checkpoint-mmap: runtime layout equals the checkpoint's (names, shapes, dtypes; TP1; no transform)"
+        return (f"{how}: runtime layout equals the checkpoint's (names, shapes, dtypes; TP1; no transform): "
+                "served from the checkpoint's own pages, no daemon call, nothing leased or published")
     if plan is not None and not plan.accepted:
-        return f"{chosen}: checkpoint-mmap refused: {plan.reason}"
-    return chosen
+        return f"{how}: checkpoint-mmap refused: {plan.reason}"
+    return how
 
 
 __all__ = ["HOST_PLANS", "BlockSpan", "CheckpointMapping", "HostWeightPlan", "Source", "describe", "preflight"]

@@ -37,6 +37,7 @@ from hwr_server.rpc import gc as rpc_gc
 from hwr_server.rpc import leases as rpc_leases
 from hwr_server.rpc import registration as rpc_registration
 from hwr_server.rpc import remote as rpc_remote
+from hwr_server.rpc import resolve_lease as rpc_resolve_lease
 from hwr_server.rpc import sources as rpc_sources
 from hwr_server.rpc import stats as rpc_stats
 from hwr_server.rpc import store as rpc_store
@@ -234,6 +235,7 @@ class RuntimeServicer(_Base, pb_grpc.RuntimeServicer):
     ReportRegistrationChunk = _handler(rpc_registration.report_chunk, "ReportRegistrationChunk")
     ReleaseRegistration = _handler(rpc_registration.release, "ReleaseRegistration")
     PullOnMiss = _handler(rpc_remote.pull_on_miss, "PullOnMiss", replies=True, admitted=True)
+    ResolveLease = _handler(rpc_resolve_lease.resolve_lease, "ResolveLease")
 
 
 class AdminServicer(_Base, pb_grpc.AdminServicer):

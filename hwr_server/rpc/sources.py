@@ -19,6 +19,7 @@ from hwr_client.core.errors import HwrError, InvalidArgument, ResourceExhausted
 from hwr_server.access.peers import peer_of
 from hwr_server.access.views import Viewer, viewer_of
 from hwr_server.sources.cache import FileState, SourceRecordRow
+from hwr_server.sources.access import Seen
 
 if TYPE_CHECKING:
     from hwr_server.components import Components
@@ -32,7 +33,8 @@ def resolve(c: Components, request: pb.ResolveSourcesRequest, context: grpc.Serv
 
     Raises:
         InvalidArgument: no paths; a path with a NUL byte or of PATH_MAX
-            bytes or more (naming its index); a relative path.
+            bytes or more (naming its index); a relative path; ``seen``
+            neither empty nor one per path.
         ResourceExhausted: more than ``max_resolve_paths`` paths.
         PermissionDenied, NotFound, FailedPrecondition: see SourceCache.resolve.
     """
@@ -47,13 +49,22 @@ def resolve(c: Components, request: pb.ResolveSourcesRequest, context: grpc.Serv
         )
     for i, p in enumerate(paths):
         check_path_text(p, f"ResolveSources: paths[{i}]")
-    digests = c.sources.resolve(paths, peer=peer_of(context))
+    if request.seen and len(request.seen) != len(paths):
+        raise InvalidArgument(f"ResolveSources: {len(request.seen)} seen entries for {len(paths)} paths; expected "
+                              "none or one per path")
+    seen = [seen_of(v) for v in request.seen] if request.seen else None
+    digests = c.sources.resolve(paths, peer=peer_of(context), seen=seen)
     return pb.ResolveSourcesReply(
         sources=[
             pb.SourceDigest(path=d.path, content_id=d.content_id, size=d.size, cached=d.cached, origin=d.origin)
             for d in digests
         ]
     )
+
+
+def seen_of(msg: pb.FileIdentity) -> Seen:
+    """The file a caller sees, from its wire form."""
+    return Seen(msg.dev, msg.ino, msg.size, msg.mtime_ns)
 
 
 def list_records(c: Components, request: pb.ListSourcesRequest, context: grpc.ServicerContext, *,

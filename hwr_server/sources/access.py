@@ -1,5 +1,5 @@
 """Who may have a source file vouched for: the access rule of
-ResolveSources (DESIGN §6).
+ResolveSources and ResolveLease (DESIGN §6).
 
 The daemon runs as root and must never vouch for a file its caller could
 not read itself. Each path is resolved ONCE
@@ -8,17 +8,39 @@ real path, the type, the caller's access and the read all go through that
 descriptor, so a link flipped meanwhile cannot swap in another file. The
 file is answered for only when all hold:
 
-1. its real path (as the kernel records it for the descriptor) lies under a
-   configured source root;
-2. the caller may search every directory from that source root down to it
-   and read the file itself (:func:`may_access`). While the caller's uid is
-   unknown (:func:`hwr_server.access.peers.peer_of` before the credentials
-   handshake) the caller is treated as "others": the file must be ``o+r``
-   and every directory from the source root down ``o+x``, and neither may
-   carry a POSIX ACL (it could deny a user the mode bits allow). A known uid
-   gets the kernel's owner/group/other rule, erring on "no": uid 0
-   everything, the owner its owner bits, any other uid the group AND the
-   other bits (its groups are not known yet);
+1. where the daemon may read from:
+
+   - **no source roots configured** (the default): any regular file, for a
+     caller whose uid the daemon has PROVEN (the credentials handshake of
+     :mod:`hwr_server.access.peers`) and that says which file it sees at
+     that path (:class:`Seen`: device, inode, size, mtime). The walk of
+     step 2 then starts at ``/``. A caller whose uid is not proven (an old
+     client, raw gRPC, a process in a pid namespace the daemon cannot see)
+     gets nothing: the file's mode bits alone cannot say that it may read
+     the file;
+   - **source roots configured** (``--source-root``, ``source_roots``): an
+     operator's restriction. The real path must lie under one of them; a
+     caller of unknown uid is answered by the "others" rule below, and a
+     caller that sends no :class:`Seen` is answered too (the operator
+     vouched that paths there name the same files to every caller);
+
+   Either way, a :class:`Seen` that the daemon's file does not match is
+   refused: the caller's path names another file than the daemon's (it
+   runs in another mount namespace: a container, the daemon's systemd
+   ``PrivateTmp``; or the file changed meanwhile), and answering for the
+   daemon's file would give the caller a wrong identity. A caller may lie
+   about what it sees; that only changes its own answer, and step 2 still
+   holds for its proven uid;
+
+2. the caller may search every directory from that source root (``/``
+   without roots) down to it and read the file itself
+   (:func:`may_access`). While the caller's uid is unknown the caller is
+   treated as "others": the file must be ``o+r`` and every directory from
+   the source root down ``o+x``, and neither may carry a POSIX ACL (it
+   could deny a user the mode bits allow). A known uid gets the kernel's
+   owner/group/other rule, erring on "no": uid 0 everything, the owner its
+   owner bits, any other uid the group AND the other bits (its groups are
+   not known yet);
 3. walking that real path again from the source root, one component at a
    time without following links, reaches the same inode (it was not moved).
 
@@ -32,6 +54,7 @@ probing through the daemon tells nothing either.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat
@@ -99,23 +122,68 @@ _RULE = ("the daemon vouches only for files its caller could read itself (caller
          "others (o+r) in directories searchable by others (o+x) from the source root down, no ACLs); the client "
          "hashes the file itself")
 
+#: Why a caller of unproven uid gets nothing from a daemon without source
+#: roots; the client shows it in its report (it names the fix).
+UNPROVEN_CALLER = ("the daemon (no source roots configured) vouches for a file only to a caller whose uid it has "
+                   "proven with the credentials handshake (the runtime socket's '.cred' side socket), and this "
+                   "caller proved none (an older client, raw gRPC, a process in a pid namespace the daemon cannot "
+                   "see, or a credentials socket it may not connect to); the client hashes the file itself")
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """A source file as the caller sees it: ``stat`` with symlinks followed.
+    Device and inode name the file, size and mtime its version."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "Seen":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def matches(self, st: os.stat_result) -> bool:
+        """True when ``st`` (the daemon's fstat) is this very file version."""
+        return Seen.of(st) == self
+
 
 class SourceAccess:
     """Checks requested source paths against the source roots and the
     caller's rights; see the module doc. Stateless, thread-safe.
 
     Args:
-        roots: the source roots, as real paths (symlinks resolved).
+        roots: the source roots, as real paths (symlinks resolved); empty:
+            no restriction, proven callers only (module doc, step 1).
     """
 
     def __init__(self, roots: list[str]):
         self.roots = list(roots)
 
+    @property
+    def restricted(self) -> bool:
+        """True when source roots restrict where the daemon reads."""
+        return bool(self.roots)
+
     def root_of(self, real: str) -> str | None:
         """The outermost source root holding ``real`` (the most directories
-        to check), or None."""
+        to check), or None; ``/`` when no roots restrict the daemon."""
+        if not self.roots:
+            return "/"
         inside = [r for r in self.roots if _under(real, r)]
         return min(inside, key=len) if inside else None
+
+    def check_caller(self, peer: Peer) -> None:
+        """Checks, once per request, what does not depend on the path: a
+        daemon without source roots answers only a proven caller (module
+        doc, step 1).
+
+        Raises:
+            PermissionDenied: naming why (the client hashes itself).
+        """
+        if not self.roots and peer.uid is None:
+            raise PermissionDenied(f"sources: {UNPROVEN_CALLER}")
 
     def outside(self, path: str, norm: str, real: str) -> PermissionDenied:
         """The refusal of ``path`` (normalized ``norm``) whose real path
@@ -126,13 +194,15 @@ class SourceAccess:
                 f"root {self.roots}; refused"
             )
         return PermissionDenied(
-            f"source {path}: outside the daemon's source roots {self.roots}; add one with --source-root "
-            "(the client hashes it itself meanwhile)"
+            f"source {path}: outside the daemon's source roots {self.roots} (an operator's restriction: add a "
+            "root with --source-root, or configure none so that the daemon vouches for any file its caller may "
+            "read); the client hashes it itself meanwhile"
         )
 
-    def check(self, path: str, peer: Peer) -> tuple[str, os.stat_result, str]:
+    def check(self, path: str, peer: Peer, seen: Seen | None = None) -> tuple[str, os.stat_result, str]:
         """Checks one requested path for ``peer`` (module doc, steps 1-3),
-        all on ONE resolution of the name.
+        all on ONE resolution of the name. The per-request part of step 1
+        (:meth:`check_caller`) is the caller's to run first.
 
         Returns:
             (normalized path, fstat of the file, its real path).
@@ -140,9 +210,11 @@ class SourceAccess:
         Raises:
             InvalidArgument: a relative path, a NUL byte, PATH_MAX or more
                 bytes, a directory, FIFO or device.
-            PermissionDenied: outside the source roots; ``peer`` (or the
-                daemon) may not read it; or behind a directory ``peer`` may
-                not search (whatever the file-system error there was).
+            PermissionDenied: outside the source roots; no roots and
+                ``peer``'s uid unknown or no ``seen``; ``seen`` given and not
+                the daemon's file; ``peer`` (or the daemon) may not read it;
+                or behind a directory ``peer`` may not search (whatever the
+                file-system error there was).
             NotFound: a missing file or a broken link, where ``peer`` may look.
             FailedPrecondition: the file moved while it was checked.
         """
@@ -150,11 +222,10 @@ class SourceAccess:
             raise InvalidArgument(f"source {path!r}: expected an absolute path")
         check_path_text(path, f"source {path!r}")
         norm = normalize_path(path)
-        if not self.roots:
-            raise PermissionDenied(
-                f"source {path}: the daemon has no source roots; start it with --source-root DIR "
-                "(or source_roots in its config). The client hashes the file itself."
-            )
+        if not self.roots and peer.uid is None:
+            # check_caller refuses the whole request first; this keeps a
+            # direct caller of check() from ever walking for an unknown uid.
+            raise PermissionDenied(f"source {path}: {UNPROVEN_CALLER}")
         try:
             pfd = open_path(norm)
         except HwrError as exc:
@@ -175,9 +246,26 @@ class SourceAccess:
                     f"source {path}: {_who(peer)} may not read {real} (mode {stat.S_IMODE(st.st_mode):04o}, owner "
                     f"uid {st.st_uid}, gid {st.st_gid}); {_RULE}"
                 )
+            self._same_file(path, st, seen)
         finally:
             os.close(pfd)
         return norm, st, real
+
+    def _same_file(self, path: str, st: os.stat_result, seen: Seen | None) -> None:
+        """Step 1's last rule: the caller's file is the daemon's (module doc)."""
+        if seen is None:
+            if not self.roots:
+                raise PermissionDenied(
+                    f"source {path}: the caller did not say which file it sees there (device, inode: an older "
+                    "client), so the daemon (no source roots) cannot tell that it resolves the same file; the "
+                    "client hashes the file itself")
+            return
+        if not seen.matches(st):
+            raise PermissionDenied(
+                f"source {path}: the caller sees another file there (device {seen.dev}, inode {seen.ino}, "
+                f"{seen.size} bytes) than the daemon does: the caller runs in another mount namespace (a "
+                "container, or the daemon's PrivateTmp) or the file changed meanwhile; the client hashes the "
+                "file itself")
 
     def _walk(self, path: str, real: str, root: str, st: os.stat_result, peer: Peer) -> None:
         """Checks that ``peer`` may search every directory from ``root`` down

@@ -24,22 +24,19 @@ Access: every path is checked by :class:`hwr_server.sources.access.SourceAccess`
 for the calling peer BEFORE a hub name, a cache record or a hash answers for
 it (the daemon runs as root and never vouches for a file
 its caller could not read itself); the hashing job then reads only the exact
-file version that was cleared. Refused is PERMISSION_DENIED, and the client
-hashes the file itself with its own rights.
+file version that was cleared. Without source roots (the default) the daemon
+answers any regular file a PROVEN caller may read; source roots restrict it
+to those directories. Refused is PERMISSION_DENIED, and the client hashes
+the file itself with its own rights.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
-import hashlib
-import json
 import logging
 import os
-import re
 import sqlite3
-import stat
 import threading
 import time
 from typing import Any, Sequence
@@ -48,21 +45,16 @@ from hwr_client.core.digests import (
     SourceDigest, check_path_text, content_id_of, hash_fd, normalize_path, open_path, real_path_of,
     reopen_for_reading,
 )
-from hwr_client.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from hwr_client.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 from hwr_server import db
 from hwr_server.access.peers import ANONYMOUS, Peer
 from hwr_server.logtext import untrusted
-from hwr_server.sources.access import SourceAccess
+from hwr_server.sources.access import Seen, SourceAccess
+from hwr_server.sources.records import (  # noqa: F401 - TABLE, records: re-exported
+    _SCHEMA, TABLE, FileState, SourceRecordRow, hub_blob_digest,
+)
 
 log = logging.getLogger(__name__)
-
-#: Table of this module in index.sqlite; the suffix is the record format, so
-#: a future format gets a fresh table instead of misreading this one.
-TABLE = "source_digests_v1"
-_SCHEMA = f"""CREATE TABLE IF NOT EXISTS {TABLE} (
-    path TEXT PRIMARY KEY, dev INTEGER NOT NULL, ino INTEGER NOT NULL, size INTEGER NOT NULL,
-    mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL, target TEXT NOT NULL,
-    content_id TEXT NOT NULL, recorded_unix INTEGER NOT NULL, checksum TEXT NOT NULL)"""
 
 #: A file whose ctime/mtime is this close to the moment we stat it is not
 #: recorded ("racily clean", as git calls it): a same-size rewrite within one
@@ -74,122 +66,6 @@ RACY_WINDOW_NS = 1_000_000_000
 #: Busy timeout of the cache's connection. Short: a locked database must not
 #: stall a start; the file is hashed instead.
 DB_TIMEOUT_S = 1.0
-
-_HEX40 = re.compile(r"^[0-9a-f]{40}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_CONTENT_ID = re.compile(r"^sha256:[0-9a-f]{64}$")
-
-
-@dataclasses.dataclass(frozen=True)
-class FileState:
-    """What a cache record is valid for: the file's identity and version."""
-
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-    #: The real path the requested path resolves to (symlinks followed).
-    target: str
-
-    @classmethod
-    def of(cls, st: os.stat_result, target: str) -> "FileState":
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, target)
-
-    def same_file_version(self, st: os.stat_result) -> bool:
-        """True when ``st`` has the same stat fields (target not compared)."""
-        return FileState.of(st, self.target) == self
-
-
-@dataclasses.dataclass(frozen=True)
-class SourceRecordRow:
-    """One persisted cache record."""
-
-    path: str
-    state: FileState
-    content_id: str
-    recorded_unix: int
-    checksum: str
-
-    @staticmethod
-    def compute_checksum(path: str, state: FileState, content_id: str, recorded_unix: int) -> str:
-        fields = [TABLE, path, *dataclasses.astuple(state), content_id, recorded_unix]
-        return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()
-
-    @classmethod
-    def new(cls, path: str, state: FileState, content_id: str) -> "SourceRecordRow":
-        now = int(time.time())
-        return cls(path, state, content_id, now, cls.compute_checksum(path, state, content_id, now))
-
-    @classmethod
-    def from_row(cls, row: Sequence[Any]) -> "SourceRecordRow | None":
-        """Parses a row; None when any column has the wrong type or value, or
-        the checksum does not verify."""
-        path, dev, ino, size, mtime, ctime, target, cid, recorded, checksum = row
-        ints = (dev, ino, size, mtime, ctime, recorded)
-        if not all(type(v) is int for v in ints) or not all(isinstance(v, str) for v in (path, target, cid, checksum)):
-            return None
-        if not _CONTENT_ID.match(cid):
-            return None
-        state = FileState(dev, ino, size, mtime, ctime, target)
-        if checksum != cls.compute_checksum(path, state, cid, recorded):
-            return None
-        return cls(path, state, cid, recorded, checksum)
-
-    def to_row(self) -> tuple:
-        return (self.path, *dataclasses.astuple(self.state), self.content_id, self.recorded_unix, self.checksum)
-
-
-def _is_hub_repo_dir(name: str) -> bool:
-    # "models--<org>--<name>": repo ids cannot contain "--", so exactly 3 parts.
-    parts = name.split("--")
-    return len(parts) == 3 and parts[0] == "models" and all(parts[1:]) and not name.startswith(".")
-
-
-def hub_blob_digest(path: str) -> tuple[str, os.stat_result] | None:
-    """The trusted SHA-256 of a Hugging Face hub cache file, or None.
-
-    Trusted only when ALL hold (anything else is hashed):
-    ``path`` is ``<repo>/snapshots/<40 hex rev>/<rel...>`` with ``<repo>``
-    named ``models--<org>--<name>``; ``snapshots``, the rev and any
-    subdirectory are real directories; ``path`` itself is a symlink whose
-    single hop lands on ``<repo>/blobs/<64 hex>``; that is a regular file
-    and the fully resolved path is exactly it (``blobs`` not a link).
-
-    Args:
-        path: absolute, normalized path as requested.
-
-    Returns:
-        (64 hex, lstat of the blob) or None. The caller answers with it only
-        for the inode it opened and checked itself (these checks are by name).
-    """
-    parts = path.split("/")
-    idx = [i for i in range(len(parts) - 3) if parts[i + 1] == "snapshots" and _is_hub_repo_dir(parts[i])]
-    if not idx:
-        return None
-    i = idx[-1]
-    repo = "/".join(parts[: i + 1])
-    if not _HEX40.match(parts[i + 2]) or any(p in ("", ".", "..") for p in parts[i + 3:]):
-        return None
-    try:
-        for j in range(i + 1, len(parts) - 1):
-            if not stat.S_ISDIR(os.lstat("/".join(parts[: j + 1])).st_mode):
-                return None
-        if not stat.S_ISLNK(os.lstat(path).st_mode):
-            return None
-        hop = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
-        blob_hex = os.path.basename(hop)
-        blobs = os.path.join(os.path.realpath(repo), "blobs")
-        if not _HEX64.match(blob_hex) or os.path.realpath(os.path.dirname(hop)) != blobs:
-            return None
-        blob = os.path.join(blobs, blob_hex)
-        st = os.lstat(blob)
-        if not stat.S_ISREG(st.st_mode) or os.path.realpath(path) != blob:
-            return None
-    except OSError:
-        return None
-    return blob_hex, st
-
 
 class SourceCache:
     """Content ids of canonical files for the daemon; see the module doc.
@@ -230,7 +106,9 @@ class SourceCache:
 
     def start(self) -> None:
         """Opens the database early so a problem shows in the startup log."""
-        log.info("source cache: roots %s, %d hash thread(s)", self.roots or "(none)", self._pool._max_workers)
+        where = (f"under the source roots {self.roots}" if self.roots
+                 else "for any file a caller of proven uid may read (no source roots)")
+        log.info("source cache: vouching %s, %d hash thread(s)", where, self._pool._max_workers)
         with self._db_lock:
             self._connection()
 
@@ -255,7 +133,8 @@ class SourceCache:
 
     # -- resolving -------------------------------------------------------------
 
-    def resolve(self, paths: Sequence[str], *, peer: Peer = ANONYMOUS) -> list[SourceDigest]:
+    def resolve(self, paths: Sequence[str], *, peer: Peer = ANONYMOUS,
+                seen: Sequence[Seen | None] | None = None) -> list[SourceDigest]:
         """Content ids of ``paths``, in order, for the caller ``peer``.
 
         Every path is checked (access for ``peer``, type; see the module doc)
@@ -267,17 +146,59 @@ class SourceCache:
             paths: absolute paths.
             peer: who asks (:func:`hwr_server.access.peers.peer_of`); the default,
                 unknown, gets only what anyone may read.
+            seen: per path, the file as the caller sees it
+                (:class:`~hwr_server.sources.access.Seen`), or None.
 
         Raises:
             InvalidArgument: a relative path, a NUL byte, a directory, FIFO
                 or device.
             PermissionDenied: outside the source roots, or not readable by
-                ``peer`` (or by the daemon).
+                ``peer`` (or by the daemon); no source roots and ``peer``
+                unproven or without ``seen``; ``seen`` not the daemon's file.
             NotFound: a missing file or a broken link.
             FailedPrecondition: a file changed or moved while it was checked
                 or hashed.
         """
-        checked = [(p, *self._check(p, peer)) for p in paths]
+        self.access.check_caller(peer)
+        views = list(seen) if seen is not None else [None] * len(paths)
+        checked = [(p, *self._check(p, peer, v)) for p, v in zip(paths, views)]
+        return self._answer(checked, wait=True)  # type: ignore[return-value]
+
+    def resolve_each(self, paths: Sequence[str], *, peer: Peer = ANONYMOUS, wait: bool = True,
+                     seen: Sequence[Seen | None] | None = None) -> list[SourceDigest | PermissionDenied | None]:
+        """As :meth:`resolve`, but each path the daemon will not vouch for
+        to ``peer`` is answered by its PermissionDenied instead of failing
+        the request (ResolveLease: the client hashes those itself), and,
+        with ``wait=False``, a file that must be hashed is answered None at
+        once while its hash runs on (the next request joins it or finds its
+        record).
+
+        Raises:
+            InvalidArgument, NotFound, FailedPrecondition: as :meth:`resolve`.
+        """
+        try:
+            self.access.check_caller(peer)
+        except PermissionDenied as exc:
+            return [exc for _ in paths]
+        out: list[SourceDigest | PermissionDenied | None] = []
+        checked: list[tuple[str, str, FileState]] = []
+        where: list[int] = []
+        views = list(seen) if seen is not None else [None] * len(paths)
+        for p, v in zip(paths, views):
+            try:
+                checked.append((p, *self._check(p, peer, v)))
+            except PermissionDenied as exc:
+                out.append(exc)
+                continue
+            where.append(len(out))
+            out.append(None)
+        for i, answer in zip(where, self._answer(checked, wait=wait)):
+            out[i] = answer
+        return out
+
+    def _answer(self, checked: list[tuple[str, str, FileState]], *, wait: bool) -> list[SourceDigest | None]:
+        """Answers checked paths from hub names and records, hashing the rest
+        (single flight); without ``wait``, those are None."""
         out: list[SourceDigest | None] = []
         pending: list[tuple[int, str, str, FileState, concurrent.futures.Future]] = []
         for i, (path, norm, state) in enumerate(checked):
@@ -285,7 +206,16 @@ class SourceCache:
             out.append(answer)
             if answer is None:
                 pending.append((i, path, norm, state, self._flight(norm, state)))
+        with self._lock:
+            self.hits += sum(1 for d in out if d is not None and d.origin == "cache")
+            self.hub_hits += sum(1 for d in out if d is not None and d.origin == "hub")
+            self.misses += len(pending)
         for i, path, norm, state, future in pending:
+            if not wait:
+                # Our path's record is written when the flight ends, even if
+                # that flight was started for another path to the same file.
+                future.add_done_callback(functools.partial(self._record_joined, norm, state))
+                continue
             try:
                 hex_digest, recorded, t0 = future.result()
             except concurrent.futures.CancelledError:  # stop() cancelled the queued job
@@ -293,17 +223,20 @@ class SourceCache:
             if recorded != norm:  # joined the flight of another path to this file: record ours too
                 self._record(norm, state, hex_digest, t0)
             out[i] = SourceDigest(path, content_id_of(hex_digest), state.size, False, "hashed")
-        with self._lock:
-            self.hits += sum(1 for d in out if d is not None and d.origin == "cache")
-            self.hub_hits += sum(1 for d in out if d is not None and d.origin == "hub")
-            self.misses += len(pending)
-        return out  # type: ignore[return-value]
+        return out
 
-    def _check(self, path: str, peer: Peer) -> tuple[str, FileState]:
+    def _record_joined(self, norm: str, state: FileState, future: concurrent.futures.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # the next request hashes again and reports the error
+        hex_digest, recorded, t0 = future.result()
+        if recorded != norm:
+            self._record(norm, state, hex_digest, t0)
+
+    def _check(self, path: str, peer: Peer, seen: Seen | None = None) -> tuple[str, FileState]:
         """Access and type checks of one path for ``peer``
         (:meth:`SourceAccess.check`); returns the normalized path and the
         state of the file it named."""
-        norm, st, real = self.access.check(path, peer)
+        norm, st, real = self.access.check(path, peer, seen)
         return norm, FileState.of(st, real)
 
     def _answer_without_hashing(self, path: str, norm: str, state: FileState) -> SourceDigest | None:

@@ -21,6 +21,7 @@ from hwr_client.core.errors import (
     Unavailable,
 )
 from hwr_server.access.peers import ANONYMOUS, Peer
+from hwr_server.sources.access import Seen
 from hwr_server.config import ServerConfig
 from hwr_server.sources import cache as srcmod
 from hwr_server.sources.cache import TABLE, SourceCache
@@ -66,10 +67,51 @@ def test_one_path_rule_for_daemon_and_client(make_cache, src):
     assert cache.resolve([str(src) + "//./k.bin"])[0].origin == "cache"
 
 
-def test_no_source_roots_refuses_everything(make_cache, src):
-    path = write(src / "a.bin", b"x")
-    with pytest.raises(PermissionDenied, match="no source roots; start it with --source-root"):
-        make_cache(roots=[]).resolve([path])
+def test_no_source_roots_vouches_for_any_file_a_proven_caller_may_read(make_cache, request):
+    """The default: no source roots. A proven caller that says which file
+    it sees (Seen) gets any regular file it may read, wherever it lies; an
+    unproven one gets nothing (its uid cannot be checked against the file's
+    mode), nor one that does not say which file it sees, nor one that sees
+    another file at that path (another mount namespace)."""
+    # Under /tmp: pytest's tmp_path sits in a 0700 directory no other uid may search.
+    base = tempfile.mkdtemp(prefix="hwr-src-", dir="/tmp")
+    os.chmod(base, 0o755)
+    request.addfinalizer(lambda: shutil.rmtree(base))
+    elsewhere = write(os.path.join(base, "deep", "a.bin"), b"x" * 10)
+    os.chmod(os.path.dirname(elsewhere), 0o755)
+    os.chmod(elsewhere, 0o644)
+    private = write(os.path.join(base, "private.bin"), b"p")
+    os.chmod(private, 0o600)
+    cache = make_cache(roots=[])
+    me, other = Peer(pid=os.getpid(), uid=0), Peer(pid=os.getpid(), uid=4321)
+    seen = Seen.of(os.stat(elsewhere))
+    assert cache.resolve([elsewhere], peer=me, seen=[seen])[0].content_id == sha(b"x" * 10)
+    assert cache.resolve([elsewhere], peer=me, seen=[seen])[0].origin == "cache"
+    with pytest.raises(PermissionDenied, match="proved none"):
+        cache.resolve([elsewhere], seen=[seen])  # anonymous
+    with pytest.raises(PermissionDenied, match="did not say which file it sees"):
+        cache.resolve([elsewhere], peer=me)
+    with pytest.raises(PermissionDenied, match="sees another file there"):
+        cache.resolve([elsewhere], peer=me, seen=[Seen.of(os.stat(private))])
+    # Another uid: the daemon walks from / with that uid's rights.
+    assert cache.resolve([elsewhere], peer=other, seen=[seen])[0].origin == "cache"
+    with pytest.raises(PermissionDenied, match=f"uid 4321 may not read {private}"):
+        cache.resolve([private], peer=other, seen=[Seen.of(os.stat(private))])
+    each = cache.resolve_each([elsewhere, private], peer=other, seen=[seen, Seen.of(os.stat(private))])
+    assert each[0].origin == "cache" and isinstance(each[1], PermissionDenied)
+    assert cache.hash_calls == 1
+
+
+def test_source_roots_restrict_a_proven_caller_too(make_cache, src, tmp_path):
+    outside = write(tmp_path / "elsewhere" / "b.bin", b"b")
+    inside = write(src / "a.bin", b"a")
+    cache = make_cache()
+    with pytest.raises(PermissionDenied, match=r"outside the daemon.s source roots .* \(an operator.s restriction"):
+        cache.resolve([outside], peer=Peer(pid=os.getpid(), uid=0))
+    # Under roots a caller need not say which file it sees; if it does, it must be the daemon's.
+    assert cache.resolve([inside], peer=Peer(pid=os.getpid(), uid=0))[0].content_id == sha(b"a")
+    with pytest.raises(PermissionDenied, match="sees another file there"):
+        cache.resolve([inside], seen=[Seen.of(os.stat(outside))])
 
 
 def test_relative_path_is_invalid(make_cache):

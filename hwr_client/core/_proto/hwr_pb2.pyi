@@ -355,10 +355,12 @@ class ReleaseRegistrationReply(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class ResolveSourcesRequest(_message.Message):
-    __slots__ = ("paths",)
+    __slots__ = ("paths", "seen")
     PATHS_FIELD_NUMBER: _ClassVar[int]
+    SEEN_FIELD_NUMBER: _ClassVar[int]
     paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    seen: _containers.RepeatedCompositeFieldContainer[FileIdentity]
+    def __init__(self, paths: _Optional[_Iterable[str]] = ..., seen: _Optional[_Iterable[_Union[FileIdentity, _Mapping]]] = ...) -> None: ...
 
 class ResolveSourcesReply(_message.Message):
     __slots__ = ("sources",)
@@ -653,3 +655,63 @@ class TransferDone(_message.Message):
     signature_digest: str
     signer: str
     def __init__(self, key: _Optional[str] = ..., reference: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., bytes_transferred: _Optional[int] = ..., layers_transferred: _Optional[int] = ..., layers_skipped: _Optional[int] = ..., seconds: _Optional[float] = ..., already_present: _Optional[bool] = ..., signature_digest: _Optional[str] = ..., signer: _Optional[str] = ...) -> None: ...
+
+class ResolveLeaseRequest(_message.Message):
+    __slots__ = ("session_id", "identity_json", "sources", "wait")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_JSON_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    identity_json: str
+    sources: _containers.RepeatedCompositeFieldContainer[NamedSource]
+    wait: bool
+    def __init__(self, session_id: _Optional[str] = ..., identity_json: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[NamedSource, _Mapping]]] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class NamedSource(_message.Message):
+    __slots__ = ("name", "path", "content_id", "seen")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    content_id: str
+    seen: FileIdentity
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., content_id: _Optional[str] = ..., seen: _Optional[_Union[FileIdentity, _Mapping]] = ...) -> None: ...
+
+class ResolveLeaseReply(_message.Message):
+    __slots__ = ("state", "sources", "refused", "key", "reason", "candidates", "lease_id", "manifest_json", "blob_paths", "publisher")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    BLOB_PATHS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    sources: _containers.RepeatedCompositeFieldContainer[SourceDigest]
+    refused: _containers.RepeatedScalarFieldContainer[str]
+    key: str
+    reason: str
+    candidates: bool
+    lease_id: str
+    manifest_json: str
+    blob_paths: _containers.RepeatedScalarFieldContainer[str]
+    publisher: Publisher
+    def __init__(self, state: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[SourceDigest, _Mapping]]] = ..., refused: _Optional[_Iterable[str]] = ..., key: _Optional[str] = ..., reason: _Optional[str] = ..., candidates: _Optional[bool] = ..., lease_id: _Optional[str] = ..., manifest_json: _Optional[str] = ..., blob_paths: _Optional[_Iterable[str]] = ..., publisher: _Optional[_Union[Publisher, _Mapping]] = ...) -> None: ...
+
+class FileIdentity(_message.Message):
+    __slots__ = ("dev", "ino", "size", "mtime_ns")
+    DEV_FIELD_NUMBER: _ClassVar[int]
+    INO_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    def __init__(self, dev: _Optional[int] = ..., ino: _Optional[int] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ...) -> None: ...

@@ -93,6 +93,11 @@ class RuntimeStub:
                 request_serializer=hwr__pb2.PullOnMissRequest.SerializeToString,
                 response_deserializer=hwr__pb2.TransferEvent.FromString,
                 _registered_method=True)
+        self.ResolveLease = channel.unary_unary(
+                '/hwr.v1.Runtime/ResolveLease',
+                request_serializer=hwr__pb2.ResolveLeaseRequest.SerializeToString,
+                response_deserializer=hwr__pb2.ResolveLeaseReply.FromString,
+                _registered_method=True)
 
 
 class RuntimeServicer:
@@ -212,6 +217,23 @@ class RuntimeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveLease(self, request, context):
+        """A worker's start in one round trip: resolves an identity whose
+        canonical sources are named by path (the daemon vouches for each as
+        ResolveSources does) and, on a hit, leases its artifact for the calling
+        session (as AcquireLease). A source the daemon will not vouch for is
+        not an error here: the reply names it (`refused`), and the client hashes
+        it itself and asks again with its content id. A miss, a quarantined
+        artifact and an incomplete identity are answered in `state`, with the
+        key when it is known. INVALID_ARGUMENT: a bad identity document or
+        source; NOT_FOUND: a missing source file; FAILED_PRECONDITION
+        "session: ...": the session is not open; RESOURCE_EXHAUSTED: more
+        sources than max_resolve_paths, or the session's lease cap.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -269,6 +291,11 @@ def add_RuntimeServicer_to_server(servicer, server):
                     servicer.PullOnMiss,
                     request_deserializer=hwr__pb2.PullOnMissRequest.FromString,
                     response_serializer=hwr__pb2.TransferEvent.SerializeToString,
+            ),
+            'ResolveLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveLease,
+                    request_deserializer=hwr__pb2.ResolveLeaseRequest.FromString,
+                    response_serializer=hwr__pb2.ResolveLeaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -572,6 +599,33 @@ class Runtime:
             '/hwr.v1.Runtime/PullOnMiss',
             hwr__pb2.PullOnMissRequest.SerializeToString,
             hwr__pb2.TransferEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hwr.v1.Runtime/ResolveLease',
+            hwr__pb2.ResolveLeaseRequest.SerializeToString,
+            hwr__pb2.ResolveLeaseReply.FromString,
             options,
             channel_credentials,
             insecure,
