@@ -242,12 +242,17 @@ class PretrainedContract(Contract):
                     continue  # dropped by the plan (unused, ignored, a tied duplicate): not read
                 src = reader.take(key)
                 value = src.to(s.tensor.dtype)
-                if value.data_ptr() == src.data_ptr():
-                    value = value.clone()  # a same-dtype cast aliases the checkpoint mapping
+                # A same-dtype tensor stays a view of the checkpoint's
+                # copy-on-write mapping, as the library's own safetensors load
+                # leaves it: no private copy, the pages shared with the page
+                # cache (a cold bf16 start costs what the library's does).
+                # The background publication reads those views; its
+                # before/after snapshot catches a file changed underneath.
+                aliased = value.data_ptr() == src.data_ptr()
                 del src  # released before the next tensor is read
                 replaced[id(s.tensor)] = (nn.Parameter(value, requires_grad=s.tensor.requires_grad)
                                           if s.is_parameter else value)
-                self.counters.bytes_materialized += value.nbytes
+                self.counters.bytes_materialized += 0 if aliased else value.nbytes
                 del value
             self.counters.checkpoint_bytes_read += reader.bytes_read
         rebind(model, replaced)

@@ -101,3 +101,24 @@ def test_required_never_takes_the_checkpoint_mapping(dirs, hwrd):
     with pytest.raises(Exception, match="prewarm"):
         dlo_runtime.from_pretrained(dirs["bf16"], host_plan="auto", mode="required", socket=hwrd.socket,
                                     progress=False)
+
+
+def test_a_same_dtype_cold_start_through_hwr_copies_nothing(dirs, tmp_path):
+    """host_plan="hwr" on a bf16 checkpoint: the cold start binds views of
+    the checkpoint's mapping as the library does (0 bytes materialized, not
+    the model's size), the background publication reads them, and the next
+    start is a LOCAL_HIT with the same output."""
+    d = make_daemon(tmp_path).start()  # a store of its own: the cold start must miss
+    try:
+        expected = library(dirs["bf16"])
+        with dlo_runtime.from_pretrained(dirs["bf16"], socket=d.socket, progress=False) as cold:
+            assert str(cold.outcome) == "CANONICAL_FALLBACK" and cold.report.producer_calls == 1
+            assert cold.report.bytes_materialized == 0, cold.report
+            assert cold.report.checkpoint_bytes_read > 0
+            assert torch.equal(output_of(cold.model, "flux"), expected)
+            assert cold.wait_published()["state"] == "published"
+        with dlo_runtime.from_pretrained(dirs["bf16"], socket=d.socket, progress=False) as warm:
+            assert str(warm.outcome) == "LOCAL_HIT" and warm.report.bytes_materialized == 0
+            assert torch.equal(output_of(warm.model, "flux"), expected)
+    finally:
+        cleanup(d)
