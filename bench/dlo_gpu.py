@@ -26,7 +26,7 @@ kind of mapping the machine allows).
 
 Prints a table and writes JSON (default bench/results/dlo_gpu.json). Exits 2
 without a CUDA device, 1 when a check fails (``checks`` in the JSON). NOTE:
-written without a GPU at hand (README.md, "First GPU run").
+written without a GPU at hand (docs/gpu.md).
 """
 
 from __future__ import annotations

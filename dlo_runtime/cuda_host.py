@@ -24,8 +24,8 @@ no shared ``libcudart`` is loaded (a static build), registration falls back to
 errors cannot be cleared, which makes the registrar decline registration:
 an error we cannot clear would poison the next unrelated CUDA call.
 
-None of this code ran on a GPU while it was written (README.md, "DLO
-runtime" → "What ran where"); it follows the CUDA runtime API reference.
+None of this code ran on a GPU while it was written (docs/gpu.md,
+"What ran where"); it follows the CUDA runtime API reference.
 """
 
 from __future__ import annotations

@@ -88,8 +88,8 @@ class Lease:
         self._lock = threading.Lock()
         self._closed = False
         self._lost = False
-        #: Who published the artifact, as the daemon recorded it (README
-        #: "Trust"), e.g. "uid 0 (pid 4242, python3)"; "" when not known.
+        #: Who published the artifact, as the daemon recorded it
+        #: (docs/trust.md), e.g. "uid 0 (pid 4242, python3)"; "" when not known.
         self.publisher = ""
 
     # -- MappedArtifact API ---------------------------------------------------

@@ -12,7 +12,7 @@ required   LOCAL_HIT with a lease       FAILED + how to populate     FAILED
 
 "Unusable" is an artifact that is quarantined, damaged, fails the
 lease-time verification, or was published by someone this worker does not
-trust (README "Trust": its own uid, root, the daemon's uid and the
+trust (docs/trust.md: its own uid, root, the daemon's uid and the
 daemon's ``trusted_publishers``; the daemon refuses the others and names
 the publisher, which the FAILED error and the fallback reason repeat). A daemon that cannot take this worker now
 (RESOURCE_EXHAUSTED: its stream, session or lease caps are full) is a miss

@@ -37,7 +37,7 @@ class Components:
     metrics: Metrics
     registration: RegistrationAdmission
     remote: Remote
-    #: Whose artifacts each caller takes (README "Trust").
+    #: Whose artifacts each caller takes (docs/trust.md).
     trust: TrustPolicy
     #: The handoff socket of the publications' handoff transport; None where
     #: it is not offered (not bound, or file leases unavailable).

@@ -50,7 +50,7 @@ def is_size_key(key: str) -> bool:
 @dataclasses.dataclass
 class RemoteConfig:
     """The ``[remote]`` table: the OCI registry this node pulls from and
-    pushes to (hwr_server.remote.remote; README "Many nodes")."""
+    pushes to (hwr_server.remote.remote; docs/many-nodes.md)."""
 
     #: ``host[:port]`` of the registry (e.g. "registry.example:5000"); "" =
     #: no remote. Needed, with repository, by pull_on_miss and
@@ -100,7 +100,7 @@ class RemoteConfig:
     #: whose signature a pull requires: with any set, a pull or pull on a
     #: miss of an artifact no listed key signed is PERMISSION_DENIED and
     #: stores nothing. Empty (default): pulls are not checked for
-    #: signatures; the configured registry is trusted (README "Trust").
+    #: signatures; the configured registry is trusted (docs/trust.md).
     trusted_keys: list[str] = dataclasses.field(default_factory=list)
     #: Pulls on a miss in flight on the node at once (distinct keys; callers
     #: of a key in flight join it). More: RESOURCE_EXHAUSTED at once. Count.
@@ -313,7 +313,7 @@ class ServerConfig:
     #: Count. Default 1024 (a worker holds one per artifact it maps).
     max_leases_per_session: int = 1024
 
-    # -- trust in publishers (hwr_server.access.trust; README "Trust") --
+    # -- trust in publishers (hwr_server.access.trust; docs/trust.md) --
     #: Publishers whose artifacts every worker takes, besides its own uid,
     #: root and the daemon's uid: user names or uids, and groups as
     #: "group:NAME" or "group:GID" (members and users of that primary
@@ -360,7 +360,7 @@ class ServerConfig:
 
     # -- many nodes: the OCI registry (hwr_server.remote.remote) --
     #: The ``[remote]`` table (RemoteConfig): an OCI registry for `hwr push`
-    #: / `hwr pull` and pull on a miss (README "Many nodes").
+    #: / `hwr pull` and pull on a miss (docs/many-nodes.md).
     remote: RemoteConfig = dataclasses.field(default_factory=RemoteConfig)
 
     def resolved(self) -> "ServerConfig":

@@ -176,8 +176,8 @@ def _comment(text: str, prefix: str) -> list[str]:
 
 def _title(group: str) -> str:
     """A group title without the module names an operator has no use for:
-    ``trust in publishers (hwr_server.access.trust; README "Trust")`` ->
-    ``trust in publishers (README "Trust")``."""
+    ``trust in publishers (hwr_server.access.trust; docs/trust.md)`` ->
+    ``trust in publishers (docs/trust.md)``."""
     text = re.sub(r"hwr_server\.[\w.]+(?:, \.\w+)*;?\s*", "", group)
     return re.sub(r"\s*\(\s*\)", "", text).strip()
 

@@ -167,7 +167,7 @@ class Daemon:
                             trust_unrecorded=cfg.trust_unrecorded_publishers)
         if cfg.remote.registry and not cfg.remote.trusted_keys:
             log.warning("[remote] %s: no trusted_keys; pulled artifacts are trusted without a signature "
-                        "(README \"Trust\")", cfg.remote.registry)
+                        "(docs/trust.md)", cfg.remote.registry)
         # Push and pull read and commit through the store; no background work.
         remote = Remote(cfg, store, trust=trust)
         figures: list[tuple[str, StatsSource]] = [

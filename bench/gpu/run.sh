@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command of the first GPU run (issue 23; README "First GPU run"):
+# The one command of the first GPU run (issue 23; docs/gpu.md):
 #
 #   bash bench/gpu/run.sh OUT [--dry-run] [--wheels DIR]
 #

@@ -11,7 +11,7 @@ views, nothing materialized) on first use, and the pipeline releases it
 after its last use in a call. Peak memory becomes the largest set in use at
 once.
 
-The release policy (the README's "Lazy pipelines and host-weight plans"):
+The release policy (docs/pipelines.md):
 
 - a *use* is a completed call of the component (``proxy(...)``) or of one of
   its public methods (``vae.decode(...)``; private housekeeping such as

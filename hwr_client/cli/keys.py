@@ -1,4 +1,4 @@
-"""Signing keys: ``hwr keys generate | show | rotate PATH`` (README "Trust").
+"""Signing keys: ``hwr keys generate | show | rotate PATH`` (docs/trust.md).
 
 A node (or a fleet) signs what it pushes with one Ed25519 key, the file
 ``[remote] signing_key`` names; nodes that pull list its public half in

@@ -2,7 +2,7 @@
 
 The daemon does the transfer (it reads and commits its own store); the
 command prints its progress with MB/s on stderr and the outcome on stdout,
-with the signature a push made or a pull verified (README "Trust").
+with the signature a push made or a pull verified (docs/trust.md).
 """
 
 from __future__ import annotations

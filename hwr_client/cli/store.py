@@ -83,7 +83,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _summary_dict(a: pb.ArtifactSummary) -> dict[str, Any]:
     out = {f.name: getattr(a, f.name) for f in a.DESCRIPTOR.fields}
-    out["publisher"] = a.publisher.text  # who published it (README "Trust"), one line
+    out["publisher"] = a.publisher.text  # who published it (docs/trust.md), one line
     return out
 
 

@@ -64,7 +64,7 @@ class FailedPrecondition(HwrError):
 
 class UntrustedPublisher(FailedPrecondition):
     """The artifact was published by someone the caller does not trust
-    (README "Trust"): a miss in preferred mode, FAILED in required mode."""
+    (docs/trust.md): a miss in preferred mode, FAILED in required mode."""
 
     reason = "untrusted-publisher"
 

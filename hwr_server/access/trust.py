@@ -1,4 +1,4 @@
-"""Who may take whose artifacts (README "Trust"; DESIGN §11a).
+"""Who may take whose artifacts (docs/trust.md; DESIGN §11a).
 
 The rule. A caller running as uid U takes an artifact only if its
 :class:`~hwr_server.access.publisher.Publisher` is trusted by U:

@@ -1,4 +1,4 @@
-"""What a pull on a miss may cost the node (README "Many nodes").
+"""What a pull on a miss may cost the node (docs/many-nodes.md).
 
 ``PullOnMiss`` is a runtime rpc: any user who can reach the socket can ask
 the daemon to fetch any key from its registry. Without bounds, 1,320 calls

@@ -1,4 +1,4 @@
-"""How an HWR artifact is laid out in an OCI registry (README "Many nodes").
+"""How an HWR artifact is laid out in an OCI registry (docs/many-nodes.md).
 
 One OCI image manifest per artifact::
 

@@ -1,4 +1,4 @@
-"""Push and pull of artifacts through an OCI registry (README "Many nodes").
+"""Push and pull of artifacts through an OCI registry (docs/many-nodes.md).
 
 Push (:meth:`Remote.push`): the blobs are read from the store as they are
 (no copy, no hashing: a layer's digest is the blob's name); layers the
@@ -53,7 +53,7 @@ tensor and block against the manifest before the commit; by default those
 are checked by ``hwr verify`` / a lease's ``verify="full"``, as for any
 stored artifact.
 
-Trust (README "Trust"; :mod:`hwr_server.remote.signatures`): a push spreads
+Trust (docs/trust.md; :mod:`hwr_server.remote.signatures`): a push spreads
 only artifacts this node trusts (their publisher record) and, with
 ``[remote] signing_key``, signs the pushed manifest as its referrer; with
 ``[remote] trusted_keys`` a pull requires a trusted key's signature of the

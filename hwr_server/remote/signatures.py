@@ -1,5 +1,5 @@
 """Signatures of pushed artifacts in the registry, as Notation and cosign
-store theirs (README "Trust"): an OCI artifact whose ``subject`` is the
+store theirs (docs/trust.md): an OCI artifact whose ``subject`` is the
 signed manifest, found through the referrers API (OCI distribution spec
 1.1, ``GET /v2/<name>/referrers/<digest>``) or, on a registry without it
 (the CNCF distribution 2.x that Debian ships), through the referrers tag

@@ -1,4 +1,4 @@
-"""Ed25519 keys and signatures of pushed artifacts (README "Trust").
+"""Ed25519 keys and signatures of pushed artifacts (docs/trust.md).
 
 The crypto is the ``cryptography`` package's (no hand-written crypto);
 this module decides only the formats and how a key file is trusted:

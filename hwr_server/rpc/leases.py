@@ -82,7 +82,7 @@ def session(c: Components, requests: Iterator[pb.SessionRequest], context: grpc.
 
 
 def trusted_publisher(c: Components, key: str, context: grpc.ServicerContext) -> Publisher:
-    """The publisher of ``key`` if the caller trusts it (README "Trust").
+    """The publisher of ``key`` if the caller trusts it (docs/trust.md).
 
     Raises:
         InvalidArgument / NotFound / FailedPrecondition: as ``Store.get``.

@@ -11,7 +11,7 @@ that goes away (cancelled, or gave up on its no-progress bound) frees its
 handler thread within ``_PROGRESS_S`` and leaves nothing behind, but does
 not stop the transfer: a pull commits whole or leaves nothing, the other
 waiters of the key get its outcome, and a later miss of the key finds it
-stored (README "Many nodes", "A caller that goes away").
+stored (docs/many-nodes.md, "A caller that goes away").
 """
 
 from __future__ import annotations

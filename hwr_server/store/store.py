@@ -75,7 +75,7 @@ class Store:
         self.capacity_hook: CapacityHook = self.default_capacity_hook
         self._lock = threading.RLock()
         self._index: dict[str, Manifest] = {}
-        self._publishers: dict[str, Publisher] = {}  # key -> who published it (README "Trust")
+        self._publishers: dict[str, Publisher] = {}  # key -> who published it (docs/trust.md)
         self._quarantined: dict[str, ArtifactSummary] = {}
         self._publishing: dict[str, str] = {}  # key -> publication id (single flight)
         self._pending_blobs: dict[str, set[str]] = {}  # key -> blobs installed, manifest not yet visible

@@ -25,6 +25,16 @@ def test_readme_links_are_checked():
     assert any(t.startswith("#") for t in targets)
 
 
+def test_readme_links_every_docs_page():
+    # The README is the front door: a page it does not link is a page
+    # nobody finds.
+    with open(os.path.join(REPO_DIR, "README.md"), encoding="utf-8") as f:
+        linked = {os.path.normpath(link.target.partition("#")[0]) for link in md.links(f.read())}
+    docs = [p for p in md.pages(REPO_DIR) if p != "README.md"]
+    assert docs, "no page under docs/: the check would pass on nothing"
+    assert sorted(p for p in docs if p not in linked) == []
+
+
 def test_github_anchor_rules():
     cases = {
         "The daemon: `hwr serve`": "the-daemon-hwr-serve",

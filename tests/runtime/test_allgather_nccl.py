@@ -6,7 +6,7 @@ stream, the in-place gather (``all_gather_single`` or, before torch 2.13,
 ``all_gather_into_tensor``), ``work.wait()`` ordering the compute stream,
 the event that guards slot reuse, and the 32-byte sequence exchange.
 
-NOT RUN while written: no GPU was lent (README "First GPU run").
+NOT RUN while written: no GPU was lent (docs/gpu.md).
 """
 
 from __future__ import annotations

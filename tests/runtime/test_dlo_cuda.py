@@ -5,7 +5,7 @@ registration (an x86 discrete GPU: no read-only registration); staging,
 the pinned buffers, the copy stream, the runtime binding and the decline
 rule itself run on every GPU (issue 23, findings 1 and 10).
 
-NOT RUN while written: no GPU was lent (README "First GPU run" names the
+NOT RUN while written: no GPU was lent (docs/gpu.md names the
 command that runs them). They follow the CUDA runtime API reference, the
 NVIDIA open kernel module (os-mlock.c) and torch's stream/event semantics.
 """

@@ -323,7 +323,7 @@ def test_the_session_pid_is_the_kernels_not_the_claim(daemon, streams):
 def test_a_daemon_without_the_credentials_socket_still_serves(make_daemon_fixture):
     """An older daemon has no ``.cred`` socket: the client sends no token
     and is served as the anonymous peer. What an anonymous process publishes
-    is trusted by nobody (README "Trust"): the publication commits, and a
+    is trusted by nobody (docs/trust.md): the publication commits, and a
     lease of it is refused naming the anonymous publisher, not served."""
     d = make_daemon_fixture()
     os.unlink(d.socket + ".cred")

@@ -1,4 +1,4 @@
-"""Pushed artifacts that standard OCI tools can read (README "Many nodes",
+"""Pushed artifacts that standard OCI tools can read (docs/many-nodes.md,
 "Reading an artifact with standard tools"): the ORAS Python SDK pulls every
 payload file of an artifact pushed to the real registry under its name,
 each hashing to the blob it came from, and a directory ORAS pulled imports

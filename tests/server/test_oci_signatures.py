@@ -1,4 +1,4 @@
-"""Signed artifacts across nodes (README "Trust"), through the real registry
+"""Signed artifacts across nodes (docs/trust.md), through the real registry
 (Debian's docker-registry 2.8, which has no referrers API: the tag-schema
 fallback is what is exercised): a signed push pulls on a node that trusts
 the key; an unsigned, wrongly signed, forged or replayed signature is

@@ -1,4 +1,4 @@
-"""Signing keys (README "Trust"): `hwr keys generate | show | rotate`, and
+"""Signing keys (docs/trust.md): `hwr keys generate | show | rotate`, and
 the checks a private key file must pass before the daemon signs with it
 (as for a credentials file: no link followed, no FIFO waited on, owner,
 mode, size)."""

@@ -1,4 +1,4 @@
-"""The trust model for publication (README "Trust"): every artifact records
+"""The trust model for publication (docs/trust.md): every artifact records
 who published it, and a worker takes only artifacts of its own uid, root,
 the daemon's uid or a trusted publisher. Real daemons; the attacker is a
 child process running as ``nobody``."""

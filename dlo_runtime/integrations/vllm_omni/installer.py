@@ -11,8 +11,8 @@ bound to the daemon's sockets; :func:`uninstall` puts the original back.
 Because it replaces a name inside vLLM-Omni, it is pinned to the versions
 it was tested with (:data:`SUPPORTED_VERSIONS`) and refuses any other with
 a clear error. The upstream proposal that makes the patch unnecessary (a
-``store_backend`` field and an entry-point group) is in the README,
-"Use it with vLLM-Omni".
+``store_backend`` field and an entry-point group) is in
+docs/vllm-omni.md, "Upstream proposal".
 
 vLLM-Omni runs its diffusion workers in processes of their own, so a call
 in the launching process is not enough for ``vllm serve``: the package
@@ -119,7 +119,7 @@ def check_version() -> str:
         raise FailedPrecondition(
             f"vllm-omni {version} is installed; the HWR store replaces a name inside vLLM-Omni's runtime and is "
             f"tested only with {', '.join(SUPPORTED_VERSIONS)}. Install a supported version, or use a vLLM-Omni "
-            "that reads the store backend from its config (the upstream proposal in HWR's README)")
+            "that reads the store backend from its config (the upstream proposal in HWR's docs/vllm-omni.md)")
     return version
 
 
