@@ -304,10 +304,13 @@ def measure(args: argparse.Namespace, workdir: str, socket: str, shape: str, ckp
     if dlo is not None:
         rows["hwr warm + DLO (cpu)"] = _summary([dlo], ref)
     lib, warm, auto = rows["library"], rows["hwr warm"], rows["hwr auto"]
-    model_kib = cold["bytes_materialized"] // 1024  # the runtime (bf16) model
+    # The runtime (bf16) model's size, from the checkpoint's: a cold start of
+    # a bf16 checkpoint materializes nothing (its tensors are views of the file).
+    model_bytes = lib_cold_model_bytes(nbytes, ckpt_dtype)
+    model_kib = model_bytes // 1024
     return {
         "shape": shape, "checkpoint_dtype": ckpt_dtype, "concurrent": args.concurrent, "config": SHAPES[shape],
-        "checkpoint_bytes": nbytes, "model_bytes": cold["bytes_materialized"], "shards": len(shards),
+        "checkpoint_bytes": nbytes, "model_bytes": model_bytes, "shards": len(shards),
         "repeat": args.repeat, "rows": rows,
         "pss4_library_kib": _sum_pss(lib4, baseline_kib) if lib4 else None,
         "pss4_warm_kib": _sum_pss(warm4, baseline_kib),
