@@ -34,6 +34,7 @@ gone) | ``abandoned`` (closed or exited first).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import logging
 import os
 import threading
@@ -68,6 +69,11 @@ class TensorsChanged(Exception):
     """A tensor being published changed after finalization."""
 
 
+class IdentityIncomplete(Exception):
+    """The pending identity failed (a source changed, went missing, became
+    unreadable): there is nothing to publish under."""
+
+
 class BackgroundPublication:
     """Publishes ``tensors`` on a thread of its own; see the module docstring.
 
@@ -87,12 +93,18 @@ class BackgroundPublication:
         'published'
     """
 
-    def __init__(self, socket: str, identity: Identity | Mapping[str, Any] | str,
+    def __init__(self, socket: str,
+                 identity: Identity | Mapping[str, Any] | str | concurrent.futures.Future[Identity],
                  tensors: Mapping[str, torch.Tensor], *, blocks: Sequence[Sequence[str]] | None = None,
                  progress: Callable[[int, int], None] | None = None,
                  on_done: Callable[[dict[str, Any]], None] | None = None):
-        self.key = Identity.coerce(identity).key
-        self._identity, self._socket, self._blocks, self._progress = identity, socket, blocks, progress
+        # A future: the identity of a certain miss whose sources are still
+        # being hashed; the thread waits for it, the caller does not. The
+        # key is "" until then (identity_key() waits for it).
+        self._pending = identity if isinstance(identity, concurrent.futures.Future) else None
+        self.key = "" if self._pending is not None else Identity.coerce(identity).key
+        self._identity: Any = identity
+        self._socket, self._blocks, self._progress = socket, blocks, progress
         self._on_done = on_done
         self._tensors: Mapping[str, torch.Tensor] | None = tensors
         # On the caller's thread, before it returns to serving: what is
@@ -104,7 +116,8 @@ class BackgroundPublication:
         self._lock = threading.Lock()
         self.started = time.monotonic()
         self.report: dict[str, Any] = {"state": RUNNING, "ok": False, "key": self.key}
-        self._thread = threading.Thread(target=self._run, name=f"hwr-publish-{self.key[:8]}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"hwr-publish-{self.key[:8] or 'pending'}",
+                                        daemon=True)
         _running.add(self)
         self._thread.start()
 
@@ -119,6 +132,16 @@ class BackgroundPublication:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    def identity_key(self, timeout: float | None = None) -> str:
+        """The key being published, waiting at most ``timeout`` seconds for
+        a pending identity; "" when it could not be completed (or in time)."""
+        if self._pending is not None and not self.key:
+            try:
+                return Identity.coerce(self._pending.result(timeout)).key
+            except Exception:  # noqa: BLE001 - the publication's own report says why
+                return ""
+        return self.key
 
     def wait_published(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Waits until the publication ends (at most ``timeout`` seconds;
@@ -159,6 +182,8 @@ class BackgroundPublication:
         _lower_priority()
         state, fields = FAILED, {}
         try:
+            if self._pending is not None:
+                self._identity = self._complete_identity()
             with self._lock:
                 if self._cancel.is_set():
                     raise _Abandoned()
@@ -171,6 +196,9 @@ class BackgroundPublication:
                       "transport": rep.transport}
         except TensorsChanged as exc:
             state, fields = ABORTED, {"error": str(exc)}
+        except IdentityIncomplete as exc:
+            state, fields = FAILED, {"error": str(exc)}
+            log.warning("HWR publish-after-load: %s", exc)
         except BaseException as exc:  # noqa: BLE001 - the serving path never sees it
             if self._cancel.is_set():
                 state, fields = ABANDONED, {"error": "abandoned before it finished; nothing was published"}
@@ -180,6 +208,24 @@ class BackgroundPublication:
                             self.key[:12], fields["error"], exc_info=not isinstance(exc, HwrError))
         finally:
             self._finish(state, fields)
+
+    def _complete_identity(self) -> Identity:
+        """Waits for the pending identity (the daemon or this process hashing
+        the sources), cancellable; sets the key."""
+        assert self._pending is not None
+        while True:
+            try:
+                identity = Identity.coerce(self._pending.result(timeout=0.5))
+                break
+            except concurrent.futures.TimeoutError:
+                if self._cancel.is_set():
+                    raise _Abandoned() from None
+            except Exception as exc:  # noqa: BLE001 - the report names it; nothing was sent
+                raise IdentityIncomplete(f"source identity could not be completed ({type(exc).__name__}: {exc}); "
+                                         "nothing published") from exc
+        self.key = identity.key
+        self.report["key"] = self.key
+        return identity
 
     def _prove(self) -> None:
         """Before the commit: every tensor where it was and as it was."""
@@ -240,7 +286,7 @@ def wait_for_key(key: str, timeout: float | None = None) -> dict[str, Any] | Non
     start of the same model would otherwise load canonically again and find
     the key being published); returns its report, or None when none runs."""
     for pub in running():
-        if pub.key == key:
+        if pub.identity_key(timeout) == key:
             log.info("HWR %s: waiting for this process's own background publication of it", key[:12])
             return pub.wait_published(timeout)
     return None

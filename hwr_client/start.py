@@ -52,6 +52,7 @@ import grpc._channel  # noqa: F401
 import grpc._interceptor  # noqa: F401
 
 from hwr_client.channel import DEFAULT_TIMEOUT_S, peer_token
+from hwr_client.client import connect
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.digests import absolute_path
 from hwr_client.core.errors import (FailedPrecondition, HwrError, InvalidArgument, NotFound, ResourceExhausted,
@@ -209,7 +210,11 @@ def _complete(client: Any, template_json: str, template: Mapping[str, Any], name
     pending hashes joined (a resolve-only call: nothing is leased)."""
     given = _hash_refused(named, reply)
     if len(given) < len(named):
-        reply = _ask(client, None, "", template_json, named, given, wait=True)
+        # On a connection of its own: the start's client may be closed (its
+        # model closed) while the daemon still hashes, and the background
+        # publication waiting for this identity must still get it.
+        with connect(client.socket) as own:
+            reply = _ask(own, None, "", template_json, named, given, wait=True)
         given = {i: d.content_id for i, d in enumerate(reply.sources)}
     return _identity(template, named, [given[i] for i in range(len(named))])
 

@@ -266,9 +266,10 @@ class ServerConfig:
     #: of ``capacity``, or half of the disk without one.
     peer_reserved_bytes: int = 0
     #: Nice increment of the threads that hash and fsync a handed-over
-    #: publication's files (0..19; 0 = the daemon's own priority). Publication
-    #: is for the next start: on a busy node the serving workers' threads come
-    #: first. Default 10.
+    #: publication's files, and of those hashing a certain miss's source
+    #: files that no caller waits for (0..19; 0 = the daemon's own priority).
+    #: Both are for the next start: on a busy node the serving workers' and
+    #: the loading worker's threads come first. Default 10.
     publication_nice: int = 10
     #: Publications the processes of one uid run at once, together; the next
     #: waits for one of that uid's own, holding no global slot. Root and the

@@ -75,7 +75,6 @@ from torch import nn
 import hwr_client
 import hwr_client.client  # noqa: F401 - connect's module: imported with the runtime, not under a start's clock
 from hwr_client.core.errors import FailedPrecondition, HwrError, InvalidArgument, Unavailable
-from hwr_client.core.identity import Identity
 from hwr_client.resolve import Mode, Outcome, Resolution, parse_mode
 from hwr_client.sources import canonical_sources
 from hwr_client.start import resolve_start
@@ -307,8 +306,11 @@ def from_pretrained(
     model, backend = result.model, result.backend
     report = PretrainedReport(result.outcome.value, "", contract.name, contract.library_version,
                               trail=[_step(s.what, s.note) for s in result.trail])
-    report.notes += notes
-    identity = _identity_of(resolved[0], report)
+    report.notes += notes + list(resolved[0].notes)
+    # A certain miss whose sources are still being hashed: the publication
+    # waits for its identity on its own thread, never the start.
+    identity = resolved[0].identity or resolved[0].deferred
+    report.key = resolved[0].identity.key if resolved[0].identity is not None else ""
     report.host_plan_reason = describe(refused, "hwr", host_plan)
     report.producer_calls = contract.counters.producer_calls
     report.checkpoint_bytes_read = contract.counters.checkpoint_bytes_read
@@ -348,23 +350,6 @@ def _own_publication_ended(res: Resolution) -> bool:
     except HwrError:
         return False
     return identity is not None and wait_for_key(identity.key) is not None
-
-
-def _identity_of(res: Resolution, report: PretrainedReport) -> Identity | None:
-    """The start's identity into the report (key, notes). A deferred one
-    (a certain miss loaded canonically while the sources were hashed) is
-    waited for here, after the load; one that failed is a note: nothing is
-    published, the model serves."""
-    report.notes += list(res.notes)
-    try:
-        identity = res.identity_now()
-    except HwrError as exc:
-        report.notes.append(f"source identity could not be completed ({type(exc).__name__}: {exc}); "
-                            "nothing published")
-        log.warning("from_pretrained: %s", report.notes[-1])
-        return None
-    report.key = identity.key if identity is not None else ""
-    return identity
 
 
 def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: HostWeightPlan, device: Any,
@@ -459,4 +444,5 @@ def _disabled(files: ModelFiles, cls: Any, dtype: torch.dtype, device: Any, bloc
 
 
 __all__ = ["HOST_PLANS", "HostWeightPlan", "PretrainedReport", "preflight", "LoadedModel", "ModelFiles",
-           "PretrainedContract", "check_loaded", "find_blocks", "from_pretrained", "model_files", "parameters_on_meta", "publish_groups", "resolve_class"]
+           "PretrainedContract", "check_loaded", "find_blocks", "from_pretrained", "model_files", "parameters_on_meta",
+           "publish_groups", "resolve_class"]

@@ -24,7 +24,9 @@ class PretrainedReport:
     Attributes:
         outcome: ``LOCAL_HIT``, ``CANONICAL_FALLBACK``, ``DISABLED`` or
             ``CHECKPOINT_MMAP`` (served from the checkpoint's own mapping).
-        key: identity key ("" when disabled).
+        key: identity key ("" when disabled; after a cold start whose
+            sources were still being hashed, "" until the background
+            publication completes it: :attr:`LoadedModel.key` waits).
         contract: ``<library>:<Class>``; ``library_version`` its version.
         seconds: wall seconds per phase (``skeleton``, ``preflight``,
             ``resolve``: identity and lease in one call, ``start``,
@@ -103,7 +105,11 @@ class LoadedModel:
 
     @property
     def key(self) -> str:
-        """The identity key ("" when HWR was disabled)."""
+        """The identity key ("" when HWR was disabled). After a cold start
+        whose sources were still being hashed, waits for that identity
+        (``report.key`` is "" until the publication completes it)."""
+        if not self.report.key and self.publication is not None:
+            self.report.key = self.publication.identity_key()
         return self.report.key
 
     @property

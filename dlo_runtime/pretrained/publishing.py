@@ -19,6 +19,8 @@ def publish_in_background(model: nn.Module, contract: PretrainedContract, identi
                           report: Any, progress: bool | Callable[[int, int], None]) -> Any:
     """Starts the publication of a preferred miss on its own thread
     (:mod:`dlo_runtime.background`); the start returns without waiting.
+    ``identity`` may be the future of one whose sources are still being
+    hashed: the thread waits for it, and ``report.key`` is set then.
     ``report`` (the start's :class:`~dlo_runtime.pretrained.PretrainedReport`):
     ``publish`` says ``running`` until it ends, then holds its report;
     ``seconds["publish"]`` its seconds; the trail its outcome. Returns the
@@ -34,14 +36,17 @@ def publish_in_background(model: nn.Module, contract: PretrainedContract, identi
             progress_printer(f"hwr: publishing {contract.name}") if progress else None)
 
     def done(result: dict[str, Any]) -> None:
+        if not report.key and result.get("key"):
+            report.key = result["key"]  # a deferred identity, completed on the publication's thread
         report.publish = result
         report.seconds["publish"] = result["seconds"]
         # After `publish_scheduled` (_step): what became of it, never "published" before it is.
         report.trail.append(result["state"] if result["ok"] else f"publish_failed: {result['error']}")
 
-    report.publish = {"state": RUNNING, "ok": False, "key": identity.key}
-    return BackgroundPublication(socket, identity, tensors, blocks=publish_groups(model, contract.blocks(model)),
-                                 progress=show, on_done=done)
+    pub = BackgroundPublication(socket, identity, tensors, blocks=publish_groups(model, contract.blocks(model)),
+                                progress=show, on_done=done)
+    report.publish = {"state": RUNNING, "ok": False, "key": pub.key}
+    return pub
 
 
 def progress_printer(what: str) -> Callable[[int, int], None]:

@@ -49,6 +49,7 @@ from hwr_client.core.errors import FailedPrecondition, InvalidArgument, Permissi
 from hwr_server import db
 from hwr_server.access.peers import ANONYMOUS, Peer
 from hwr_server.logtext import untrusted
+from hwr_server.store.hashing import background_thread
 from hwr_server.sources.access import Seen, SourceAccess
 from hwr_server.sources.records import (  # noqa: F401 - TABLE, records: re-exported
     _SCHEMA, TABLE, FileState, SourceRecordRow, hub_blob_digest,
@@ -86,7 +87,17 @@ class SourceCache:
         # the cores: a cold file's thread waits on the disk part of the time,
         # and with one thread per core that core idles (measured: 0.76 of the
         # cold-read cap with 2 threads on 2 cores, 0.88-1.05 with 4).
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="hwr-source-hash")
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="hwr-source-hash",
+                                                           initializer=background_thread, initargs=("hwr-src-hash", 0))
+        # Hashes nobody waits for (a certain miss's sources: the worker
+        # loads canonically meanwhile, the identity is for its publication)
+        # run niced like publication (ServerConfig.publication_nice): on a
+        # busy node the worker's load and first output come first. A caller
+        # that waits later joins the same flight.
+        nice = int(getattr(config, "publication_nice", 0))
+        self._background_pool = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="hwr-source-hash-bg", initializer=background_thread,
+            initargs=("hwr-src-hash-bg", nice))  # OS thread names: 15 bytes at most
         # Guards the in-flight map and the counters. Re-entrant: a done
         # callback added to an already finished future runs at once, in the
         # thread that adds it (which holds this lock).
@@ -115,6 +126,7 @@ class SourceCache:
     def stop(self) -> None:
         """Stops hashing (queued jobs are cancelled) and closes the database."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._background_pool.shutdown(wait=False, cancel_futures=True)
         with self._db_lock:
             if self._conn is not None:
                 self._conn.close()
@@ -205,7 +217,7 @@ class SourceCache:
             answer = self._answer_without_hashing(path, norm, state)
             out.append(answer)
             if answer is None:
-                pending.append((i, path, norm, state, self._flight(norm, state)))
+                pending.append((i, path, norm, state, self._flight(norm, state, background=not wait)))
         with self._lock:
             self.hits += sum(1 for d in out if d is not None and d.origin == "cache")
             self.hub_hits += sum(1 for d in out if d is not None and d.origin == "hub")
@@ -251,7 +263,7 @@ class SourceCache:
             return SourceDigest(path, record.content_id, state.size, True, "cache")
         return None
 
-    def _flight(self, path: str, state: FileState) -> concurrent.futures.Future:
+    def _flight(self, path: str, state: FileState, *, background: bool = False) -> concurrent.futures.Future:
         """The in-flight hash of this file version, started if there is none.
 
         Joining another caller's flight is safe: the flight is keyed by the
@@ -262,7 +274,8 @@ class SourceCache:
             future = self._inflight.get(state)
             if future is None:
                 try:
-                    future = self._pool.submit(self._hash_and_record, path, state)
+                    pool = self._background_pool if background else self._pool
+                    future = pool.submit(self._hash_and_record, path, state)
                 except RuntimeError:  # the pool is shut down: the daemon is stopping
                     raise Unavailable(f"source {path}: the daemon is shutting down; retry") from None
                 self._inflight[state] = future

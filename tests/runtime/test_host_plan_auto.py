@@ -83,7 +83,7 @@ def test_a_cast_goes_through_hwr_with_one_skeleton(dirs, hwrd, builds):
         with dlo_runtime.from_pretrained(dirs["fp32"], host_plan="auto", socket=hwrd.socket, progress=False,
                                          device="cpu") as loaded:
             rep = loaded.report
-            assert rep.host_plan == "hwr" and rep.key
+            assert rep.host_plan == "hwr" and loaded.key
             assert rep.host_plan_reason.startswith("hwr (host_plan='auto'): checkpoint-mmap refused:")
             assert "(a cast)" in rep.host_plan_reason
             outcomes.append(str(loaded.outcome))
@@ -121,4 +121,38 @@ def test_a_same_dtype_cold_start_through_hwr_copies_nothing(dirs, tmp_path):
             assert str(warm.outcome) == "LOCAL_HIT" and warm.report.bytes_materialized == 0
             assert torch.equal(output_of(warm.model, "flux"), expected)
     finally:
+        cleanup(d)
+
+
+def test_a_cold_start_does_not_wait_for_the_sources_hashes(dirs, tmp_path, monkeypatch):
+    """A certain miss returns while its sources are still being hashed: the
+    background publication waits for the identity, never the start. The
+    seam: the deferred identity's completion (hwr_client.start._complete)
+    held until the start has returned."""
+    import threading
+
+    import hwr_client.start
+
+    release, entered = threading.Event(), threading.Event()
+    real = hwr_client.start._complete
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hwr_client.start, "_complete", held)
+    d = make_daemon(tmp_path).start()
+    try:
+        with dlo_runtime.from_pretrained(dirs["fp32"], socket=d.socket, progress=False) as cold:
+            # Returned with the identity still incomplete: no key yet, the publication waiting for it.
+            assert entered.wait(60) and str(cold.outcome) == "CANONICAL_FALLBACK"
+            assert cold.report.key == "" and cold.report.publish["state"] == "running"
+            release.set()
+            assert cold.wait_published(60)["state"] == "published"
+            assert cold.key and cold.report.key == cold.key
+        with dlo_runtime.from_pretrained(dirs["fp32"], socket=d.socket, progress=False) as warm:
+            assert str(warm.outcome) == "LOCAL_HIT" and warm.key == cold.key
+    finally:
+        release.set()
         cleanup(d)

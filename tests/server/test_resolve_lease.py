@@ -247,3 +247,38 @@ def test_undecodable_request_is_invalid_argument(daemon):
             call_raw(b"\x12\x02\xff\xfe", timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("ResolveLease:") and "UTF-8" in err.value.details()
+
+
+def _thread_nice(pid: int, prefix: str) -> dict[str, int]:
+    """comm -> nice of the daemon's threads whose name starts with ``prefix``
+    (/proc/<pid>/task/<tid>/stat field 19)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        if comm.startswith(prefix):
+            out[f"{comm}/{tid}"] = int(fields[16])  # field 19 of stat: the 17th after the name
+    return out
+
+
+def test_hashes_nobody_waits_for_run_niced(daemon, files, tmp_path):
+    """A certain miss's source hashes (wait=False: the worker loads
+    canonically meanwhile) run on threads niced by publication_nice; a
+    caller that waits gets the daemon's own priority."""
+    with daemon.client() as c:
+        first = call(c, request(template(t="niced"), files, wait=False))
+        assert first.state == "incomplete"
+        call(c, request(template(t="niced"), files))  # joins the flights: they have run
+        background = _thread_nice(daemon.proc.pid, "hwr-src-hash-bg")
+        assert background and set(background.values()) == {10}, background
+        fresh = {"model.safetensors": write(tmp_path / "w" / "m.safetensors", b"other " * 500),
+                 "config.json": write(tmp_path / "w" / "c.json", b"{}")}
+        settle(*fresh.values())
+        assert call(c, request(template(t="waited"), fresh)).state == "miss"
+        waited = {k: v for k, v in _thread_nice(daemon.proc.pid, "hwr-src-hash").items() if k not in background}
+        assert waited and set(waited.values()) == {0}, waited
