@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 #: Seconds interpreter exit waits, in all, for publications still running
 #: before abandoning them. A module attribute: set it before exit to change it.
 EXIT_WAIT_S = 30.0
+#: Seconds a publication held for the model's first output waits for it at
+#: most (a worker that does not serve soon still publishes). A module
+#: attribute, as EXIT_WAIT_S.
+FIRST_OUTPUT_WAIT_S = 30.0
 #: Seconds an abandoned publication's thread gets to wind down (its call is
 #: cancelled and its connection closed, so this is not expected to expire).
 ABANDON_JOIN_S = 10.0
@@ -97,7 +101,8 @@ class BackgroundPublication:
                  identity: Identity | Mapping[str, Any] | str | concurrent.futures.Future[Identity],
                  tensors: Mapping[str, torch.Tensor], *, blocks: Sequence[Sequence[str]] | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 on_done: Callable[[dict[str, Any]], None] | None = None):
+                 on_done: Callable[[dict[str, Any]], None] | None = None,
+                 start_after: threading.Event | None = None):
         # A future: the identity of a certain miss whose sources are still
         # being hashed; the thread waits for it, the caller does not. The
         # key is "" until then (identity_key() waits for it).
@@ -105,6 +110,10 @@ class BackgroundPublication:
         self.key = "" if self._pending is not None else Identity.coerce(identity).key
         self._identity: Any = identity
         self._socket, self._blocks, self._progress = socket, blocks, progress
+        # Set by the model's first output (see publish_in_background), by a
+        # caller that waits for the publication, or never (then it starts
+        # FIRST_OUTPUT_WAIT_S after the start): until then nothing is written.
+        self._go = start_after
         self._on_done = on_done
         self._tensors: Mapping[str, torch.Tensor] | None = tensors
         # On the caller's thread, before it returns to serving: what is
@@ -143,6 +152,11 @@ class BackgroundPublication:
                 return ""
         return self.key
 
+    def start_now(self) -> None:
+        """Lets a publication held for the first output begin now."""
+        if self._go is not None:
+            self._go.set()
+
     def wait_published(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Waits until the publication ends (at most ``timeout`` seconds;
         None: no bound).
@@ -152,12 +166,15 @@ class BackgroundPublication:
             ``bytes_written``, ``already_published``, ``transport``,
             ``error``), or None if it is still running.
         """
+        self.start_now()  # whoever waits for it wants it now, served or not
         return dict(self.report) if self._done.wait(timeout) else None
 
     def close(self, *, wait_s: float | None = 0.0) -> dict[str, Any]:
         """Waits at most ``wait_s`` seconds (None: no bound) for the
         publication to end, then abandons it (nothing published, the staging
         removed by the daemon). Idempotent; returns the final report."""
+        if wait_s is None or wait_s > 0:
+            self.start_now()  # held for a first output that may never come
         if not self._done.wait(wait_s):
             self._abandon()
         return dict(self.report)
@@ -184,6 +201,7 @@ class BackgroundPublication:
         try:
             if self._pending is not None:
                 self._identity = self._complete_identity()
+            self._wait_for_first_output()
             with self._lock:
                 if self._cancel.is_set():
                     raise _Abandoned()
@@ -208,6 +226,20 @@ class BackgroundPublication:
                             self.key[:12], fields["error"], exc_info=not isinstance(exc, HwrError))
         finally:
             self._finish(state, fields)
+
+    def _wait_for_first_output(self) -> None:
+        """Holds the writing until the model's first output (or
+        FIRST_OUTPUT_WAIT_S): on a node whose cores the worker's first
+        forward needs, the publication's hashing and page-cache writes
+        would otherwise share them with it. Cancellable."""
+        if self._go is None:
+            return
+        deadline = time.monotonic() + FIRST_OUTPUT_WAIT_S
+        while not self._go.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+            if self._cancel.is_set():
+                raise _Abandoned()
+            if time.monotonic() >= deadline:
+                return
 
     def _complete_identity(self) -> Identity:
         """Waits for the pending identity (the daemon or this process hashing

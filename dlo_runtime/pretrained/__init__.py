@@ -79,7 +79,7 @@ from hwr_client.resolve import Mode, Outcome, Resolution, parse_mode
 from hwr_client.sources import canonical_sources
 from hwr_client.start import resolve_start
 
-from dlo_runtime.background import running, wait_for_key
+from dlo_runtime.background import running
 from dlo_runtime.compile import attach_to_pretrained, settings_for_pretrained
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
@@ -280,8 +280,9 @@ def from_pretrained(
         # and leases a hit (hwr_client.start); nothing is hashed here unless
         # the daemon cannot vouch (the notes then say why).
         t = time.perf_counter()
+        ours = running()  # before asking: one that ends meanwhile still counts
         res = resolve_start(client, contract.identity_template(), sources, mode=mode)
-        if not res.hit and running() and _own_publication_ended(res):
+        if not res.hit and ours and _own_publication_ended(res, ours):
             # This process's own background publication of the key was
             # running: it has ended, so ask once more (a hit, if it committed).
             res = resolve_start(client, contract.identity_template(), sources, mode=mode)
@@ -340,16 +341,22 @@ def _compiled(loaded: LoadedModel, **how: Any) -> LoadedModel:
     return loaded
 
 
-def _own_publication_ended(res: Resolution) -> bool:
-    """Whether a publication of this start's key by this very process was
-    running and has now ended (waited for). Called only while one runs: a
-    deferred identity (sources still being hashed) is waited for here, a
-    cost only a process loading the same model twice pays."""
+def _own_publication_ended(res: Resolution, ours: list[Any]) -> bool:
+    """Whether one of ``ours`` (this process's publications running when
+    the start asked) publishes this start's key; if so it is waited for.
+    Called only while one runs: a deferred identity (sources still being
+    hashed) is waited for here, a cost only a process loading the same
+    model twice pays."""
     try:
         identity = res.identity_now()
     except HwrError:
         return False
-    return identity is not None and wait_for_key(identity.key) is not None
+    for pub in ours if identity is not None else ():
+        if pub.identity_key() == identity.key:
+            log.info("HWR %s: waiting for this process's own background publication of it", identity.key[:12])
+            pub.wait_published()
+            return True
+    return False
 
 
 def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: HostWeightPlan, device: Any,

@@ -132,6 +132,8 @@ class LoadedModel:
             raise InvalidArgument(f"publication={publication!r}: expected 'finish', 'abandon' or 'wait'")
         if self.publication is not None and publication != "finish":
             self.publication.close(wait_s=None if publication == "wait" else 0.0)
+        elif self.publication is not None:
+            self.publication.start_now()  # no first output is coming from a closed model
         backend, self.backend = self.backend, None
         if backend is not None:
             backend.close()

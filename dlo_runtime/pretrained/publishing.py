@@ -6,6 +6,7 @@ progress line it may print.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any, Callable
 
 from torch import nn
@@ -20,7 +21,10 @@ def publish_in_background(model: nn.Module, contract: PretrainedContract, identi
     """Starts the publication of a preferred miss on its own thread
     (:mod:`dlo_runtime.background`); the start returns without waiting.
     ``identity`` may be the future of one whose sources are still being
-    hashed: the thread waits for it, and ``report.key`` is set then.
+    hashed: the thread waits for it, and ``report.key`` is set then. The
+    writing begins after the model's first output (its first forward
+    returns; ``wait_published`` and ``close(publication="wait")`` start it
+    at once; at most :data:`~dlo_runtime.background.FIRST_OUTPUT_WAIT_S`).
     ``report`` (the start's :class:`~dlo_runtime.pretrained.PretrainedReport`):
     ``publish`` says ``running`` until it ends, then holds its report;
     ``seconds["publish"]`` its seconds; the trail its outcome. Returns the
@@ -43,10 +47,25 @@ def publish_in_background(model: nn.Module, contract: PretrainedContract, identi
         # After `publish_scheduled` (_step): what became of it, never "published" before it is.
         report.trail.append(result["state"] if result["ok"] else f"publish_failed: {result['error']}")
 
+    first_output = threading.Event()
     pub = BackgroundPublication(socket, identity, tensors, blocks=publish_groups(model, contract.blocks(model)),
-                                progress=show, on_done=done)
+                                progress=show, on_done=done, start_after=first_output)
+    _on_first_output(model, first_output)
     report.publish = {"state": RUNNING, "ok": False, "key": pub.key}
     return pub
+
+
+def _on_first_output(model: nn.Module, event: threading.Event) -> None:
+    """Sets ``event`` when the model's first forward returns (a hook on
+    the root module that removes itself): the first output comes before
+    the publication's first byte."""
+    handle: list[Any] = []
+
+    def fired(_module: nn.Module, _args: Any, _output: Any) -> None:
+        event.set()
+        handle.pop().remove()
+
+    handle.append(model.register_forward_hook(fired))
 
 
 def progress_printer(what: str) -> Callable[[int, int], None]:

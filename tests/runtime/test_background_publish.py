@@ -84,11 +84,15 @@ def cold_then_hit(d, flux, expected: torch.Tensor | None = None) -> None:
 def test_the_start_returns_before_the_publication_and_the_next_start_is_a_bitwise_hit(hwrd, flux):
     gate = Gate()
     with dlo_runtime.from_pretrained(flux, socket=hwrd.socket, progress=gate) as cold:
+        # Nothing is written before the model's first output: the forward
+        # has the cores to itself.
+        assert cold.publication.state == RUNNING and not gate.reached.is_set() and not staging(hwrd)
+        out = output_of(cold.model, "flux")
         assert gate.reached.wait(30)
         # The model serves while its publication is held mid-file.
         assert cold.publication.state == RUNNING and cold.report.publish["state"] == RUNNING
         assert "publish" not in cold.report.seconds
-        out = output_of(cold.model, "flux")
+        assert torch.equal(output_of(cold.model, "flux"), out)
         assert staging(hwrd) and os.listdir(os.path.join(hwrd.root, "artifacts")) == []
         gate.open()
         result = cold.wait_published(60)
@@ -103,6 +107,7 @@ def test_a_tensor_changed_during_the_publication_aborts_it(hwrd, flux, caplog):
     gate = Gate()
     with caplog.at_level(logging.WARNING, logger="dlo_runtime.background"):
         with dlo_runtime.from_pretrained(flux, socket=hwrd.socket, progress=gate) as cold:
+            output_of(cold.model, "flux")  # the first output lets the publication begin
             assert gate.reached.wait(30)
             name, param = next((n, p) for n, p in cold.model.named_parameters() if n.startswith("transformer_blocks.1."))
             with torch.no_grad():
@@ -123,6 +128,7 @@ def test_close_abandons_a_publication_mid_flight_and_the_next_start_publishes_ag
     gate = Gate()
     cold = dlo_runtime.from_pretrained(flux, socket=hwrd.socket, progress=gate)
     try:
+        output_of(cold.model, "flux")  # the first output lets the publication begin
         assert gate.reached.wait(30) and staging(hwrd)
         pub = cold.publication
         threading.Timer(0.5, gate.open).start()  # the thread is parked in the callback: let it see the cancel
@@ -151,6 +157,8 @@ HELD_WORKER = textwrap.dedent("""
 
     loaded = dlo_runtime.from_pretrained({model!r}, socket={socket!r}, progress=progress)
     print("serving", loaded.outcome, flush=True)
+    from tests.support.real_models import output_of
+    output_of(loaded.model, "flux")  # the first output: the publication begins
     if {action!r} == "hang":
         time.sleep(600)
     loaded.close()  # the default: the publication goes on; exit bounds it
@@ -210,6 +218,7 @@ def test_a_second_start_in_the_process_waits_for_its_own_publication(hwrd, flux)
     gate = Gate()
     cold = dlo_runtime.from_pretrained(flux, socket=hwrd.socket, progress=gate)
     try:
+        output_of(cold.model, "flux")  # the first output lets the publication begin
         assert gate.reached.wait(30)
         threading.Timer(0.3, gate.open).start()
         with dlo_runtime.from_pretrained(flux, socket=hwrd.socket, progress=False) as again:
