@@ -37,14 +37,13 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
-import grpc
 import torch
 
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.manifest import FileEntry, Manifest, TensorEntry, content_digest
 from tests.conftest import identity
 from tests.support.daemon import cleanup, make_daemon
-from tests.support.hostile_pull import MiB, REPO, Source, fds, peak_rss_mib, threads
+from tests.support.hostile_pull import MiB, REPO, Source, fds, peak_rss_mib, pull_on_miss_calls, threads
 from tests.support.hostile_registry import HostileRegistry, registry_config
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,35 +159,6 @@ def _pull_on_miss(d, key: str) -> str:
     return "OK"
 
 
-def _calls(d, keys: list[str], timeout: float, parallel: int) -> dict[str, int]:
-    codes: Counter = Counter()
-    lock = threading.Lock()
-    todo = list(keys)
-
-    def worker() -> None:
-        with d.client() as c:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    key = todo.pop()
-                try:
-                    for _ in c.runtime.PullOnMiss(pb.PullOnMissRequest(key=key), timeout=timeout):
-                        pass
-                    code = "OK"
-                except grpc.RpcError as err:
-                    code = err.code().name
-                with lock:
-                    codes[code] += 1
-
-    workers = [threading.Thread(target=worker) for _ in range(parallel)]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join()
-    return dict(codes)
-
-
 def case_bomb_401(b: Bench, bomb: int) -> dict:
     def case(reg, art):
         key, config, blobs = art
@@ -223,7 +193,7 @@ def case_hung(b: Bench, calls: int, timeout: float) -> dict:
     def case(reg, _):
         reg.hang = threading.Event()
         d = b.node(reg.host, timeout_s=60.0)
-        return d, lambda: _calls(d, [secrets.token_hex(32) for _ in range(calls)], timeout, 64)
+        return d, lambda: dict(pull_on_miss_calls(d, [secrets.token_hex(32) for _ in range(calls)], timeout, 64))
     return b.each(lambda reg: None, case)
 
 

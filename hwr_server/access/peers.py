@@ -65,6 +65,7 @@ import grpc
 
 from hwr_client.core.defaults import PEER_TOKEN_METADATA
 from hwr_server.access.files import Untrusted, open_stored
+from hwr_server.access.runtime_dir import listening_socket
 
 log = logging.getLogger(__name__)
 
@@ -276,21 +277,7 @@ class PeerListener:
         Raises:
             OSError: the path cannot be bound.
         """
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        # umask 0177 while binding: the file is created 0600, never briefly
-        # wider than intended; widened below, as the runtime socket is.
-        old = os.umask(0o177)
-        try:
-            sock.bind(self.path)
-        except OSError:
-            sock.close()
-            raise
-        finally:
-            os.umask(old)
-        if gid != -1:
-            os.chown(self.path, -1, gid)
-        os.chmod(self.path, mode)
-        sock.listen(128)
+        sock = listening_socket(self.path, mode=mode, gid=gid)
         sock.settimeout(_ACCEPT_POLL_S)
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name="hwr-peer-cred", daemon=True)

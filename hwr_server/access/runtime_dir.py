@@ -24,6 +24,7 @@ The lock files are opened with ``O_NOFOLLOW`` (:mod:`hwr_server.access.lock`).
 from __future__ import annotations
 
 import os
+import socket
 import stat
 
 from hwr_client.core.defaults import check_trusted_dir
@@ -59,6 +60,32 @@ def prepare_socket_dir(socket_path: str) -> str:
             "expected a socket or nothing. Remove it if it is not yours to keep"
         )
     return directory
+
+
+def listening_socket(path: str, *, mode: int, gid: int, backlog: int = 128) -> socket.socket:
+    """A Unix stream socket bound at ``path`` with ``mode`` (and group
+    ``gid`` unless -1), listening.
+
+    umask 0177 while binding: the file is created 0600, never briefly
+    wider than intended, then widened to ``mode`` (as the runtime socket is).
+
+    Raises:
+        OSError: the path cannot be bound.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old)
+    if gid != -1:
+        os.chown(path, -1, gid)
+    os.chmod(path, mode)
+    sock.listen(backlog)
+    return sock
 
 
 def _make_dirs(directory: str, mode: int) -> None:

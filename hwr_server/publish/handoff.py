@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from hwr_client.core.errors import HwrError, InvalidArgument, NotFound, status_code_of
+from hwr_server.access.runtime_dir import listening_socket
 
 log = logging.getLogger(__name__)
 
@@ -121,19 +122,7 @@ class HandoffListener:
         Raises:
             OSError: the path cannot be bound.
         """
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # created 0600, widened below (as the runtime socket)
-        try:
-            sock.bind(self.path)
-        except OSError:
-            sock.close()
-            raise
-        finally:
-            os.umask(old)
-        if gid != -1:
-            os.chown(self.path, -1, gid)
-        os.chmod(self.path, mode)
-        sock.listen(128)
+        sock = listening_socket(self.path, mode=mode, gid=gid)
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name="hwr-handoff-accept", daemon=True)
         self._thread.start()

@@ -14,48 +14,15 @@ import threading
 import time
 from collections import Counter
 
-import grpc
 import pytest
 
 from hwr_client.core._proto import hwr_pb2 as pb
 from hwr_client.core.errors import NotFound, ResourceExhausted, Unavailable
 from tests.support.hostile_pull import (  # noqa: F401 - fixtures, used by name
-    REPO, hostile, node_for, pull_on_miss, threads,
+    REPO, hostile, node_for, pull_on_miss, pull_on_miss_calls, threads,
 )
 
 CALLS = 200
-
-
-def _calls(node, keys: list[str], timeout: float, parallel: int = 40, codes: Counter | None = None) -> Counter:
-    """One PullOnMiss per key, ``parallel`` at a time from this process; the status
-    codes they ended with (DEADLINE_EXCEEDED: the caller gave up, which
-    cancels the call), counted into ``codes`` as they end."""
-    codes = Counter() if codes is None else codes
-    lock = threading.Lock()
-    todo = list(keys)
-
-    def worker() -> None:
-        with node.client() as c:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    key = todo.pop()
-                try:
-                    for _ in c.runtime.PullOnMiss(pb.PullOnMissRequest(key=key), timeout=timeout):
-                        pass
-                    code = "OK"
-                except grpc.RpcError as err:
-                    code = err.code().name
-                with lock:
-                    codes[code] += 1
-
-    workers = [threading.Thread(target=worker) for _ in range(parallel)]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join(300)
-    return codes
 
 
 def test_cancelled_calls_against_a_hung_registry_leave_no_threads(make_daemon_fixture, tmp_path, hostile):
@@ -65,9 +32,9 @@ def test_cancelled_calls_against_a_hung_registry_leave_no_threads(make_daemon_fi
     run and the rest are refused at once."""
     hostile.hang = threading.Event()
     node = node_for(make_daemon_fixture, tmp_path, hostile.host, pull_on_miss=True, extra={"timeout_s": 60.0})
-    _calls(node, [secrets.token_hex(32) for _ in range(64)], timeout=0.2)  # every server thread made once
+    pull_on_miss_calls(node, [secrets.token_hex(32) for _ in range(64)], timeout=0.2)  # every server thread made once
     before = threads(node)
-    codes = _calls(node, [secrets.token_hex(32) for _ in range(CALLS)], timeout=1.0)
+    codes = pull_on_miss_calls(node, [secrets.token_hex(32) for _ in range(CALLS)], timeout=1.0)
     assert sum(codes.values()) == CALLS, codes
     grew = threads(node) - before
     assert grew < 16, (before, grew, codes)
@@ -84,7 +51,7 @@ def test_another_users_lookup_is_served_while_64_calls_wait(make_daemon_fixture,
     hostile.hang = threading.Event()
     node = node_for(make_daemon_fixture, tmp_path, hostile.host, pull_on_miss=True, extra={"timeout_s": 60.0})
     codes: Counter = Counter()
-    holder = threading.Thread(target=_calls, args=(node, [secrets.token_hex(32) for _ in range(64)], 20.0, 64, codes))
+    holder = threading.Thread(target=pull_on_miss_calls, args=(node, [secrets.token_hex(32) for _ in range(64)], 20.0, 64, codes))
     holder.start()
     try:
         for _ in range(600):  # until every call is held at the registry or answered

@@ -7,6 +7,8 @@ peak RSS, threads and descriptors."""
 from __future__ import annotations
 
 import os
+import threading
+from collections import Counter
 
 import grpc
 import pytest
@@ -133,3 +135,35 @@ def nothing_visible(node) -> None:
 
 __all__ = ["MiB", "REPO", "Source", "fds", "hostile", "node_for", "nothing_visible", "peak_rss_mib", "pull",
            "pull_on_miss", "rss_mib", "source", "staging_bytes", "threads"]
+
+
+def pull_on_miss_calls(node, keys: list[str], timeout: float, parallel: int = 40, codes: Counter | None = None) -> Counter:
+    """One PullOnMiss per key, ``parallel`` at a time from this process; the status
+    codes they ended with (DEADLINE_EXCEEDED: the caller gave up, which
+    cancels the call), counted into ``codes`` as they end."""
+    codes = Counter() if codes is None else codes
+    lock = threading.Lock()
+    todo = list(keys)
+
+    def worker() -> None:
+        with node.client() as c:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    key = todo.pop()
+                try:
+                    for _ in c.runtime.PullOnMiss(pb.PullOnMissRequest(key=key), timeout=timeout):
+                        pass
+                    code = "OK"
+                except grpc.RpcError as err:
+                    code = err.code().name
+                with lock:
+                    codes[code] += 1
+
+    workers = [threading.Thread(target=worker) for _ in range(parallel)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(300)
+    return codes
