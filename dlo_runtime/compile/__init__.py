@@ -56,11 +56,15 @@ def attach_to_pretrained(loaded: Any, settings: CompileSettings | None, *, confi
     if settings is None:
         return
     report = loaded.report
+    # loaded.key, not report.key: a cold start's identity may still be
+    # completing (its sources hashed for the background publication); the
+    # compile artifact's key needs it, so this waits for it.
+    weights_key = loaded.key if report.outcome != "DISABLED" else report.key
     config_sha = ""
-    if not report.key:
+    if not weights_key:
         with open(config_path, "rb") as f:
             config_sha = hashlib.sha256(f.read()).hexdigest()
-    source = ModelSource(name=report.contract, dtype=dtype, weights_key=report.key, config_sha256=config_sha,
+    source = ModelSource(name=report.contract, dtype=dtype, weights_key=weights_key, config_sha256=config_sha,
                          library_version=report.library_version)
     report.compile = compile_model(loaded.model, settings, source=source, mode=mode, socket=socket)
 
