@@ -18,7 +18,7 @@ A short ``/etc/hwr/hwr.toml``::
     admin_socket = "/run/hwr/admin.sock"
     socket_group = "hwr"
     capacity = "2TiB"
-    source_roots = ["/models", "/root/.cache/huggingface/hub"]   # optional restriction
+    source_roots = ["/models", "/var/cache/huggingface/hub"]   # optional restriction
 
     [remote]                       # an OCI registry (hwr push / hwr pull)
     registry = "registry.example:5000"
