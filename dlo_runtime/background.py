@@ -181,6 +181,7 @@ class BackgroundPublication:
 
     def _abandon(self) -> None:
         self._cancel.set()
+        self.start_now()  # wakes a thread held for the first output, which then sees the cancel
         with self._lock:
             client = self._client
         if client is not None:
@@ -232,14 +233,8 @@ class BackgroundPublication:
         FIRST_OUTPUT_WAIT_S): on a node whose cores the worker's first
         forward needs, the publication's hashing and page-cache writes
         would otherwise share them with it. Cancellable."""
-        if self._go is None:
-            return
-        deadline = time.monotonic() + FIRST_OUTPUT_WAIT_S
-        while not self._go.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
-            if self._cancel.is_set():
-                raise _Abandoned()
-            if time.monotonic() >= deadline:
-                return
+        if self._go is not None:
+            self._go.wait(FIRST_OUTPUT_WAIT_S)  # _abandon sets it too; _run checks the cancel next
 
     def _complete_identity(self) -> Identity:
         """Waits for the pending identity (the daemon or this process hashing
@@ -313,11 +308,15 @@ def running() -> list[BackgroundPublication]:
     return [p for p in list(_running) if not p.done]
 
 
-def wait_for_key(key: str, timeout: float | None = None) -> dict[str, Any] | None:
+def wait_for_key(key: str, timeout: float | None = None, *,
+                 among: Sequence[BackgroundPublication] | None = None) -> dict[str, Any] | None:
     """Waits for this process's running publication of ``key``, if any (a
     start of the same model would otherwise load canonically again and find
-    the key being published); returns its report, or None when none runs."""
-    for pub in running():
+    the key being published); returns its report, or None when none runs.
+    ``among``: the publications to look at (default: those running now); a
+    caller that took :func:`running` before asking the daemon passes it, so
+    one that ended in between still counts."""
+    for pub in running() if among is None else among:
         if pub.identity_key(timeout) == key:
             log.info("HWR %s: waiting for this process's own background publication of it", key[:12])
             return pub.wait_published(timeout)

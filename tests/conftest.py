@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 import torch
 
@@ -57,3 +60,15 @@ def make_daemon_fixture(tmp_path):
 def daemon(make_daemon_fixture) -> Daemon:
     """One running daemon on a fresh root."""
     return make_daemon_fixture()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 48 MiB tmpfs (a real size-limited filesystem); skipped where mounting is not allowed."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
+    yield str(mnt)
+    subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -59,7 +59,7 @@ def attach_to_pretrained(loaded: Any, settings: CompileSettings | None, *, confi
     # loaded.key, not report.key: a cold start's identity may still be
     # completing (its sources hashed for the background publication); the
     # compile artifact's key needs it, so this waits for it.
-    weights_key = loaded.key if report.outcome != "DISABLED" else report.key
+    weights_key = loaded.key
     config_sha = ""
     if not weights_key:
         with open(config_path, "rb") as f:

@@ -79,7 +79,7 @@ from hwr_client.resolve import Mode, Outcome, Resolution, parse_mode
 from hwr_client.sources import canonical_sources
 from hwr_client.start import resolve_start
 
-from dlo_runtime.background import running
+from dlo_runtime.background import running, wait_for_key
 from dlo_runtime.compile import attach_to_pretrained, settings_for_pretrained
 from dlo_runtime.contracts import private_bytes
 from dlo_runtime.pretrained.contract import PretrainedContract
@@ -343,7 +343,7 @@ def _compiled(loaded: LoadedModel, **how: Any) -> LoadedModel:
 
 def _own_publication_ended(res: Resolution, ours: list[Any]) -> bool:
     """Whether one of ``ours`` (this process's publications running when
-    the start asked) publishes this start's key; if so it is waited for.
+    the start asked) publishes this start's key; if so it was waited for.
     Called only while one runs: a deferred identity (sources still being
     hashed) is waited for here, a cost only a process loading the same
     model twice pays."""
@@ -351,12 +351,7 @@ def _own_publication_ended(res: Resolution, ours: list[Any]) -> bool:
         identity = res.identity_now()
     except HwrError:
         return False
-    for pub in ours if identity is not None else ():
-        if pub.identity_key() == identity.key:
-            log.info("HWR %s: waiting for this process's own background publication of it", identity.key[:12])
-            pub.wait_published()
-            return True
-    return False
+    return identity is not None and wait_for_key(identity.key, among=ours) is not None
 
 
 def _checkpoint_mmap(contract: PretrainedContract, skeleton: nn.Module, plan: HostWeightPlan, device: Any,

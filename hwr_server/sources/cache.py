@@ -94,7 +94,7 @@ class SourceCache:
         # run niced like publication (ServerConfig.publication_nice): on a
         # busy node the worker's load and first output come first. A caller
         # that waits later joins the same flight.
-        nice = int(getattr(config, "publication_nice", 0))
+        nice = int(config.publication_nice)
         self._background_pool = concurrent.futures.ThreadPoolExecutor(
             threads, thread_name_prefix="hwr-source-hash-bg", initializer=background_thread,
             initargs=("hwr-src-hash-bg", nice))  # OS thread names: 15 bytes at most

@@ -342,18 +342,6 @@ def test_daemon_sigkilled_mid_publication_recovers_on_restart(daemon):
 # -- disk full -----------------------------------------------------------------
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 48 MiB tmpfs (a real size-limited filesystem); skipped where mounting is not allowed."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode:
-        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
-    yield str(mnt)
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_disk_full_is_resource_exhausted(make_daemon_fixture, small_disk):
     d = make_daemon_fixture(root=os.path.join(small_disk, "root"))
     big = {f"blocks.{i}.w": torch.full((1024, 1024), float(i)) for i in range(16)}  # 64 MiB > disk

@@ -17,7 +17,6 @@ the artifacts left.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 
 import grpc
@@ -141,18 +140,6 @@ def test_a_slow_honest_client_passes_the_floor(make_daemon_fixture, tmp_path):
         code, details, last = raw.commit()
     assert code == grpc.StatusCode.OK and last.WhichOneof("kind") == "committed", (code, details)
     assert done == lay.data_size and done // (256 * 1024) >= 8  # 3.2 s of waiting: three windows at least
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 48 MiB tmpfs (a real size-limited filesystem); skipped where mounting is not allowed."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode:
-        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
-    yield str(mnt)
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _fill(path: str) -> None:
